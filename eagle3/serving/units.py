@@ -48,6 +48,9 @@ def render_unit(cfg: PipelineConfig, model: str | None = None, env_file: str | N
 Description=vLLM server for {cfg.target.model} ({cfg.name})
 After=network-online.target nvidia-persistenced.service
 Wants=network-online.target
+# At most 3 crash restarts in 2 h: a model that keeps dying must fail loudly, not loop.
+StartLimitIntervalSec=7200
+StartLimitBurst=3
 
 [Service]
 Type=exec
@@ -64,8 +67,6 @@ KillMode=control-group
 KillSignal=SIGTERM
 Restart=on-failure
 RestartSec=30
-StartLimitIntervalSec=7200
-StartLimitBurst=3
 LimitNOFILE=1048576
 LimitMEMLOCK=infinity
 

@@ -1,0 +1,72 @@
+"""Shared fixtures.
+
+The real vLLM CPU server costs ~40 s to start, so one is started per test session
+(``vllm_server``) and shared by every test that only needs a running target. Tests that
+check starting and stopping themselves start their own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_PROFILE = ROOT / "configs" / "smollm2-cpu.yaml"
+KIMI_PROFILE = ROOT / "configs" / "kimi-k25-hero.yaml"
+FAKES = Path(__file__).parent / "fakes"
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+@pytest.fixture(scope="session")
+def cpu_cfg():
+    from eagle3.config import load_config
+
+    return load_config(CPU_PROFILE)
+
+
+@pytest.fixture(scope="session")
+def smol_model(cpu_cfg) -> Path:
+    """The embedded SmolLM2 converted to safetensors (cached across sessions by GGUF hash)."""
+    from eagle3.embedded import prepare_model
+
+    return prepare_model(cpu_cfg.paths.cache_dir, cpu_cfg.target.embedded_name)
+
+
+def require_vllm(cfg) -> None:
+    if not os.access(cfg.serve.vllm_python, os.X_OK):
+        pytest.fail(f"vLLM serving environment missing ({cfg.serve.vllm_python}): `make test` creates it")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(cpu_cfg, smol_model, tmp_path_factory):
+    """A REAL vLLM CPU server with SmolLM2, shared by the whole test session."""
+    from eagle3.serving.server import start_server
+
+    require_vllm(cpu_cfg)
+    server = start_server(cpu_cfg, str(smol_model), log_dir=tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fake_systemd(tmp_path, monkeypatch):
+    """Put the stand-in systemctl/journalctl first on PATH (no systemd runs here)."""
+    state = tmp_path / "systemd"
+    state.mkdir()
+    monkeypatch.setenv("FAKE_SYSTEMD_DIR", str(state))
+    monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
+    return state
+
+
+def stub_argv(port: int, model: str, *extra: str) -> list[str]:
+    return [sys.executable, str(FAKES / "openai_stub.py"), str(port), model, *extra]
