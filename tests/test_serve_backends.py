@@ -1,0 +1,114 @@
+"""Serve backends that need no real vLLM: systemd (through a stand-in systemctl, because no
+systemd runs on these machines), external, and the pre-flight errors of the process backend.
+"""
+
+import json
+import socket
+import time
+
+import pytest
+
+from eagle3.config import load_config
+from eagle3.serving.readiness import PortInUseError, ServerDiedError, ServerError, ServerTimeoutError, free_port
+from eagle3.serving.server import start_server
+from tests.conftest import CPU_PROFILE, stub_argv
+from tests.fakes import openai_stub  # noqa: F401  (the stub must stay importable)
+
+
+def _cfg(*overrides):
+    return load_config(CPU_PROFILE, ["serve.poll_interval_s=0.2", *overrides])
+
+
+def _systemd_cfg(port, *more):
+    return _cfg("serve.backend=systemd", "serve.unit=vllm-test", f"serve.port={port}", "serve.ready_timeout_s=20", *more)
+
+
+def _calls(state):
+    return (state / "calls.log").read_text().splitlines()
+
+
+def test_systemd_starts_waits_and_stops(fake_systemd):
+    port = free_port()
+    (fake_systemd / "vllm-test.cmd").write_text(json.dumps(stub_argv(port, "smollm2-135m-instruct")))
+    with start_server(_systemd_cfg(port), "ignored") as server:
+        assert server.backend == "systemd" and server.started_here
+        assert server.base_url == f"http://127.0.0.1:{port}"
+    calls = _calls(fake_systemd)
+    assert "systemctl start vllm-test" in calls and calls[-1] == "systemctl stop vllm-test"
+
+
+def test_systemd_unit_already_running_is_not_stopped(fake_systemd):
+    port = free_port()
+    (fake_systemd / "vllm-test.cmd").write_text(json.dumps(stub_argv(port, "smollm2-135m-instruct")))
+    import subprocess
+
+    subprocess.run(["systemctl", "start", "vllm-test"], check=True)  # "someone else" started it
+    try:
+        with start_server(_systemd_cfg(port), "ignored") as server:
+            assert not server.started_here
+        assert _calls(fake_systemd).count("systemctl start vllm-test") == 1
+        assert "systemctl stop vllm-test" not in _calls(fake_systemd)
+    finally:
+        subprocess.run(["systemctl", "stop", "vllm-test"])
+
+
+def test_systemd_unit_death_reports_journal_at_once(fake_systemd):
+    port = free_port()
+    # the "server" crashes after 1 s without ever answering: a dead unit, not a slow one
+    argv = stub_argv(port, "smollm2-135m-instruct", "--die-after", "1")
+    (fake_systemd / "vllm-test.cmd").write_text(json.dumps(argv))
+    cfg = _systemd_cfg(port + 1 if port < 65535 else port - 1)  # readiness polls a port nobody answers
+    t0 = time.monotonic()
+    with pytest.raises(ServerDiedError) as e:
+        start_server(cfg, "ignored")
+    assert time.monotonic() - t0 < 10, "death must be reported at once, not after the ready timeout"
+    msg = str(e.value)
+    assert "vllm-test died" in msg and "journalctl -u vllm-test -n 50" in msg and "CUDA out of memory" in msg
+
+
+def test_systemd_missing_unit_is_clear(fake_systemd):
+    with pytest.raises(ServerError, match="Unit vllm-test.service not found"):
+        start_server(_systemd_cfg(free_port()), "ignored")
+
+
+def test_external_backend_checks_the_model(tmp_path):
+    import subprocess
+
+    port = free_port()
+    stub = subprocess.Popen(stub_argv(port, "other-model"))
+    try:
+        cfg = _cfg("serve.backend=external", f"serve.base_url=http://127.0.0.1:{port}", "serve.ready_timeout_s=2")
+        with pytest.raises(ServerTimeoutError, match=r"model 'smollm2-135m-instruct' not served \(served: \['other-model'\]\)"):
+            start_server(cfg, "ignored")
+        cfg = _cfg("serve.backend=external", f"serve.base_url=http://127.0.0.1:{port}/",
+                   "target.served_model_name=other-model")
+        with start_server(cfg, "ignored") as server:
+            assert server.base_url == f"http://127.0.0.1:{port}" and not server.started_here
+        assert stub.poll() is None, "the external backend must never stop what it did not start"
+    finally:
+        stub.kill()
+        stub.wait()
+
+
+def test_bad_model_path_fails_within_seconds(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="model path .*/no-such-model does not exist"):
+        start_server(_cfg(), str(tmp_path / "no-such-model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ServerError, match="has no config.json"):
+        start_server(_cfg(), str(tmp_path / "empty"))
+    assert time.monotonic() - t0 < 2
+
+
+def test_port_in_use_is_clear(smol_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
+            start_server(_cfg(f"serve.port={port}"), str(smol_model))
+
+
+def test_missing_vllm_env_is_clear(smol_model, tmp_path):
+    with pytest.raises(ServerError, match="make vllm-env"):
+        start_server(_cfg(f"serve.vllm_python={tmp_path}/nope/bin/python"), str(smol_model))
