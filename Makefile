@@ -7,6 +7,9 @@ VLLM_VENV ?= .venv-vllm
 PY := $(VENV)/bin/python
 PROFILE ?= configs/smollm2-cpu.yaml
 export EAGLE3_VLLM_PYTHON ?= $(abspath $(VLLM_VENV))/bin/python
+# Prefect keeps its SQLite database and settings inside the project, not in ~/.prefect.
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 .PHONY: setup venv vllm-env model demo test plan-kimi clean
 
