@@ -129,20 +129,37 @@ class ServeConfig(_Section):
 
 
 class GenerateConfig(_Section):
+    """Synthetic data: every prompt answered by the served target, with exact token ids."""
+
     dataset: str = Field(description="Hub dataset name or a local jsonl/json/parquet file.")
     split: str = "train"
+    data_format: Literal["auto", "sharegpt", "messages", "prompt"] = "auto"
+    prompt_column: str = "prompt"
+    messages_column: str | None = Field(None, description="Default: 'conversations' (sharegpt) or 'messages'.")
+    turns: Literal["first", "history"] = Field("first", description="first user turn, or history up to the last assistant turn")
     num_samples: int | None = Field(None, gt=0)
     seed: int = 0
+    exclude_files: list[Path] = Field(default_factory=list, description="Prompts never to train on (e.g. MT-bench).")
+    endpoints: list[str] = Field(default_factory=list, description="Extra server base URLs for scale-out.")
+    balancing: Literal["least_loaded", "round_robin"] = "least_loaded"
     concurrency: int | Literal["auto"] = 32
     concurrency_ceiling: int = Field(200, gt=0)
     max_tokens: int = Field(2048, gt=0)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="e.g. {thinking: true}")
     timeout_s: float = Field(1800, gt=0, description="Per request. The OpenAI client's 600 s default killed long reasoning.")
     connect_timeout_s: float = Field(30, gt=0)
     max_attempts: int = Field(5, ge=1)
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    exclude_files: list[Path] = Field(default_factory=list, description="Prompts never to train on (e.g. MT-bench).")
+    backoff_base_s: float = Field(1.0, ge=0)
+    backoff_max_s: float = Field(60.0, ge=0)
+    length_check: bool = Field(True, description="On a 400, ask the server's /tokenize whether the prompt is too long.")
+    retry_rejected: bool = Field(False, description="Rerun prompts the server rejected before (400) or that were skipped.")
+    shard_size: int = Field(1000, gt=0)
+    profile_levels: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 200])
+    profile_prompts: int = Field(64, gt=0, description="Prompts per level in a concurrency sweep.")
+    profile_max_tokens: int = Field(128, gt=0)
+    profile_knee: float = Field(0.97, gt=0, le=1, description="Pick the smallest level within this share of the best.")
 
     @field_validator("concurrency")
     @classmethod

@@ -1,0 +1,135 @@
+"""One chat request per prompt, with our own retry policy, over one or several endpoints.
+
+Why our own retries: the OpenAI client's built-in ones (2 by default) neither add jitter
+for 128-200 concurrent callers nor tell us what failed; and its default timeout (600 s)
+killed long reasoning in the seed run. Here: explicit timeouts, exponential backoff with
+full jitter on 429 / 5xx / timeouts / connection errors, and a clear split between
+retryable failures and a prompt the server rejects (400: recorded, never retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+from openai import AsyncOpenAI, DefaultAioHttpClient
+
+RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class Rejected(Exception):
+    """The server refused this prompt (4xx): a property of the sample, not of the server."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"rejected by server ({status}): {message}")
+        self.status = status
+
+
+class Exhausted(Exception):
+    """Retryable failures until ``max_attempts`` ran out."""
+
+
+@dataclass
+class RetryPolicy:
+    max_attempts: int = 5
+    base_s: float = 1.0
+    max_s: float = 60.0
+
+    def delay(self, attempt: int) -> float:
+        """Full jitter: uniform(0, min(max, base * 2^attempt))."""
+        return random.uniform(0, min(self.max_s, self.base_s * (2**attempt)))
+
+
+@dataclass
+class Endpoint:
+    base_url: str
+    client: AsyncOpenAI
+    in_flight: int = 0
+    sent: int = 0
+    failures: int = 0
+
+
+@dataclass
+class EndpointPool:
+    """Spread requests over endpoints: ``least_loaded`` (fewest in flight) or ``round_robin``."""
+
+    endpoints: list[Endpoint]
+    strategy: str = "least_loaded"
+    _rr: Any = field(default=None, repr=False)
+
+    def pick(self) -> Endpoint:
+        if self.strategy == "round_robin":
+            if self._rr is None:
+                self._rr = itertools.cycle(self.endpoints)
+            return next(self._rr)
+        return min(self.endpoints, key=lambda e: e.in_flight)
+
+    async def close(self) -> None:
+        for e in self.endpoints:
+            await e.client.close()
+
+
+def make_pool(base_urls: list[str], *, api_key: str | None, timeout_s: float, connect_timeout_s: float,
+              max_connections: int, strategy: str = "least_loaded") -> EndpointPool:
+    endpoints = []
+    for url in base_urls:
+        # aiohttp transport: httpx's own async transport tops out near 300 req/s on one core here,
+        # aiohttp gives the client >1000 req/s (bench/generate_throughput.py).
+        http = DefaultAioHttpClient(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+        client = AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "EMPTY", max_retries=0,
+                             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), http_client=http)
+        endpoints.append(Endpoint(url.rstrip("/"), client))
+    return EndpointPool(endpoints, strategy)
+
+
+def _error_text(e: openai.APIStatusError) -> str:
+    try:
+        body = e.response.json()
+        msg = body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else body.get("message")
+        return str(msg or body)[:500]
+    except ValueError:
+        return e.response.text[:500]
+
+
+async def chat_request(
+    pool: EndpointPool,
+    request: dict[str, Any],
+    policy: RetryPolicy,
+) -> tuple[dict[str, Any], str, int, float]:
+    """Send one chat completion with retries. Returns (response JSON, endpoint, attempts, latency of the last try).
+
+    The raw JSON is kept (not the SDK's pydantic object): vLLM's extra fields
+    (``prompt_token_ids``, ``token_ids``, ``reasoning``) are read as sent, and a million
+    responses are not each parsed twice.
+    """
+    last: Exception | None = None
+    for attempt in range(policy.max_attempts):
+        ep = pool.pick()
+        ep.in_flight += 1
+        ep.sent += 1
+        t0 = time.perf_counter()
+        try:
+            raw = await ep.client.chat.completions.with_raw_response.create(**request)
+            return json.loads(raw.http_response.content), ep.base_url, attempt + 1, time.perf_counter() - t0
+        except openai.APIStatusError as e:
+            if e.status_code not in RETRYABLE_STATUS:
+                raise Rejected(e.status_code, _error_text(e)) from None
+            last = e
+        except (openai.APITimeoutError, openai.APIConnectionError) as e:
+            last = e
+        finally:
+            ep.in_flight -= 1
+        ep.failures += 1
+        if attempt + 1 < policy.max_attempts:
+            await asyncio.sleep(policy.delay(attempt))
+    raise Exhausted(f"{type(last).__name__} after {policy.max_attempts} attempts: {last}")

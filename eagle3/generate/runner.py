@@ -1,0 +1,353 @@
+"""The generate stage: every prompt through the served target, kept with its exact tokens.
+
+    manifest = generate(cfg, base_urls, out_dir)
+
+- A bounded in-flight window: at most ``concurrency`` requests (and coroutines) exist at any
+  time, however many prompts there are; prompts are pulled lazily from the dataset.
+- Reasoning is read from ``message.reasoning`` (vLLM >= 0.16), else ``reasoning_content``;
+  a profile that expects reasoning flags samples that have none instead of losing it silently.
+- Token ids come from the server (``return_token_ids``); rebuilt from the chat template only
+  when a server gives none (recorded per sample as ``token_ids_source``).
+- Exact resume: ids already in the shards are skipped; a torn last record is cut off.
+- A prompt the server rejects is recorded and the run goes on; a server that stops answering
+  stops the stage with a clear error after the retries (a rerun resumes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eagle3.config import PipelineConfig
+from eagle3.generate.client import EndpointPool, Exhausted, Rejected, RetryPolicy, chat_request, make_pool
+from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
+from eagle3.generate.storage import ShardStore, iter_samples, latest_errors, write_json_atomic
+
+
+class ServerUnavailable(RuntimeError):
+    """No endpoint answers any more: the stage stops; a rerun resumes where it stopped."""
+
+
+@dataclass
+class Progress:
+    done: int = 0
+    total: int | None = None
+    failed: int = 0
+    skipped: int = 0
+    completion_tokens: int = 0
+    started: float = 0.0
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / max(self.elapsed, 1e-9)
+
+    @property
+    def eta_s(self) -> float | None:
+        if not self.total or not self.done:
+            return None
+        rate = self.done / max(self.elapsed, 1e-9)
+        return max(self.total - self.done - self.failed - self.skipped, 0) / rate
+
+
+def reasoning_of(message: dict[str, Any]) -> str | None:
+    """vLLM >= 0.16 sends ``reasoning``; older servers ``reasoning_content``. Accept both."""
+    return message.get("reasoning") or message.get("reasoning_content") or None
+
+
+def build_record(prompt: Prompt, resp: dict[str, Any], endpoint: str, attempts: int, latency: float,
+                 expects_reasoning: bool, rebuild: Callable[..., tuple[list[int], list[int]]] | None) -> dict[str, Any]:
+    choice = resp["choices"][0]
+    msg = choice.get("message") or {}
+    reasoning = reasoning_of(msg)
+    content = msg.get("content")
+    prompt_ids = resp.get("prompt_token_ids")
+    completion_ids = choice.get("token_ids")
+    source = "server"
+    if not prompt_ids or completion_ids is None:
+        if rebuild is None:
+            raise RuntimeError("server returned no token ids and no tokenizer is configured to rebuild them")
+        prompt_ids, completion_ids = rebuild(prompt.messages, reasoning, content, choice.get("finish_reason"))
+        source = "rebuilt"
+    flags = []
+    if expects_reasoning and not reasoning:
+        flags.append("no_reasoning")
+    if choice.get("finish_reason") == "length":
+        flags.append("truncated")
+    return {
+        "id": prompt.id,
+        "source": prompt.source_index,
+        "messages": prompt.messages,
+        "reasoning": reasoning,
+        "content": content,
+        "finish_reason": choice.get("finish_reason"),
+        "truncated": choice.get("finish_reason") == "length",
+        "prompt_token_ids": list(prompt_ids),
+        "completion_token_ids": list(completion_ids),
+        "token_ids_source": source,
+        "usage": resp.get("usage"),
+        "latency_s": round(latency, 4),
+        "attempts": attempts,
+        "endpoint": endpoint,
+        "model": resp.get("model"),
+        "flags": flags,
+    }
+
+
+async def _tokenize_count(base_url: str, model: str, messages: list[dict[str, str]], kwargs: dict[str, Any],
+                          api_key: str | None) -> tuple[int, int] | None:
+    """(prompt tokens, max model len) from vLLM's /tokenize, or None if the server has no such endpoint."""
+    try:
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}) as c:
+            r = await c.post(f"{base_url}/tokenize", json={"model": model, "messages": messages,
+                                                           "add_generation_prompt": True, "chat_template_kwargs": kwargs})
+        if r.status_code != 200:
+            return None
+        body = r.json()
+        return int(body["count"]), int(body["max_model_len"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return None
+
+
+async def _endpoints_alive(pool: EndpointPool, api_key: str | None) -> bool:
+    async with httpx.AsyncClient(timeout=10) as c:
+        for ep in pool.endpoints:
+            try:
+                if (await c.get(f"{ep.base_url}/health")).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                continue
+    return False
+
+
+class _Run:
+    def __init__(self, cfg: PipelineConfig, pool: EndpointPool, store: ShardStore, progress: Progress,
+                 rebuild, on_progress):
+        self.cfg, self.pool, self.store, self.progress = cfg, pool, store, progress
+        self.g = cfg.generate
+        self.rebuild = rebuild
+        self.on_progress = on_progress
+        self.policy = RetryPolicy(self.g.max_attempts, self.g.backoff_base_s, self.g.backoff_max_s)
+        self.counts: Counter[str] = Counter()
+        self.prompt_tokens = 0
+
+    def request(self, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
+        extra: dict[str, Any] = {"return_token_ids": True}
+        if self.g.chat_template_kwargs:
+            extra["chat_template_kwargs"] = self.g.chat_template_kwargs
+        return {
+            "model": self.cfg.target.served_model_name,
+            "messages": prompt.messages,
+            "max_tokens": max_tokens,
+            "temperature": self.g.temperature,
+            "top_p": self.g.top_p,
+            "extra_body": extra,
+        }
+
+    def error(self, kind: str, reason: str, prompt: Prompt | None = None, source: Any = None) -> None:
+        self.store.add_error({"id": prompt.id if prompt else None, "source": prompt.source_index if prompt else source,
+                              "kind": kind, "reason": reason, "time": time.time()})
+        self.counts[kind] += 1
+        if kind == "failed":
+            self.progress.failed += 1
+        else:
+            self.progress.skipped += 1
+
+    async def one(self, prompt: Prompt) -> None:
+        max_tokens = self.g.max_tokens
+        for _ in range(2):  # a second try only with max_tokens cut to what the context leaves
+            try:
+                resp, ep, attempts, latency = await chat_request(self.pool, self.request(prompt, max_tokens), self.policy)
+            except Rejected as e:
+                if e.status == 400 and self.g.length_check:
+                    ep = self.pool.pick().base_url
+                    counted = await _tokenize_count(ep, self.cfg.target.served_model_name, prompt.messages,
+                                                    self.g.chat_template_kwargs, self.cfg.serve.api_key)
+                    if counted:
+                        n, limit = counted
+                        if n >= limit:
+                            return self.error("skipped", f"prompt too long: {n} tokens >= max model len {limit}", prompt)
+                        if n + max_tokens > limit and max_tokens != limit - n:
+                            max_tokens = limit - n
+                            self.counts["max_tokens_reduced"] += 1
+                            continue
+                return self.error("rejected", str(e), prompt)
+            except Exhausted as e:
+                if not await _endpoints_alive(self.pool, self.cfg.serve.api_key):
+                    raise ServerUnavailable(
+                        f"no endpoint answers /health any more ({', '.join(p.base_url for p in self.pool.endpoints)}); "
+                        f"last error: {e}. {self.progress.done} samples were saved this run; rerun to resume."
+                    ) from None
+                return self.error("failed", str(e), prompt)
+            try:
+                record = build_record(prompt, resp, ep, attempts, latency, self.cfg.target.expects_reasoning, self.rebuild)
+            except (KeyError, IndexError, TypeError) as e:
+                return self.error("failed", f"malformed response: {type(e).__name__}: {e}", prompt)
+            self.store.add(record)
+            self.counts["generated"] += 1
+            for flag in record["flags"]:
+                self.counts[flag] += 1
+            self.progress.done += 1
+            self.progress.completion_tokens += len(record["completion_token_ids"])
+            self.prompt_tokens += len(record["prompt_token_ids"])
+            return None
+
+    async def run(self, items: Iterator[Prompt | Skip], window: int) -> None:
+        pending: set[asyncio.Task] = set()
+        last_report = 0.0
+        try:
+            for item in items:
+                if isinstance(item, Skip):
+                    self.error("skipped", item.reason, source=item.source_index)
+                    continue
+                if item.id in self.store.done_ids:
+                    continue
+                if item.id in self.store.permanent_ids and not self.g.retry_rejected:
+                    self.counts["previously_rejected"] += 1
+                    continue
+                pending.add(asyncio.create_task(self.one(item)))
+                if len(pending) >= window:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for t in done:
+                        t.result()  # re-raise ServerUnavailable and bugs
+                now = time.monotonic()
+                if self.on_progress and now - last_report > 0.5:
+                    self.on_progress(self.progress)
+                    last_report = now
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()
+                if self.on_progress:
+                    self.on_progress(self.progress)
+        finally:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+
+def load_prompts(cfg: PipelineConfig, stats: PromptStats) -> Iterator[Prompt | Skip]:
+    g = cfg.generate
+    return iter_prompts(
+        g.dataset, split=g.split, data_format=g.data_format, prompt_column=g.prompt_column,
+        messages_column=g.messages_column, turns=g.turns, num_samples=g.num_samples, seed=g.seed,
+        exclude=exclusion_keys(g.exclude_files), stats=stats,
+    )
+
+
+def make_rebuilder(cfg: PipelineConfig, tokenizer_path: str | None):
+    if not tokenizer_path:
+        return None
+    from transformers import AutoTokenizer
+
+    from eagle3.tokens import rebuild_token_ids
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
+    t = cfg.target
+
+    def rebuild(messages, reasoning, content, finish_reason):
+        return rebuild_token_ids(tok, messages, reasoning, content, finish_reason, think_start_id=t.think_start_id,
+                                 think_end_id=t.think_end_id, chat_template_kwargs=cfg.generate.chat_template_kwargs)
+
+    return rebuild
+
+
+def folder_totals(out_dir: Path) -> dict[str, Any]:
+    n = prompt_tokens = completion_tokens = 0
+    flags: Counter[str] = Counter()
+    for r in iter_samples(out_dir):
+        n += 1
+        prompt_tokens += len(r["prompt_token_ids"])
+        completion_tokens += len(r["completion_token_ids"])
+        flags.update(r.get("flags", []))
+    errors = latest_errors(out_dir)
+    return {
+        "samples": n,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "flags": dict(flags),
+        "errors_by_kind": dict(Counter(e["kind"] for e in errors.values())),
+    }
+
+
+def generate(
+    cfg: PipelineConfig,
+    base_urls: list[str],
+    out_dir: Path,
+    *,
+    concurrency: int | None = None,
+    tokenizer_path: str | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    finalize: bool = True,
+) -> dict[str, Any]:
+    """Run (or resume) the generate stage into ``out_dir``; returns the manifest."""
+    g = cfg.generate
+    window = concurrency or (g.concurrency if isinstance(g.concurrency, int) else None)
+    if window is None:
+        raise ValueError("generate.concurrency is 'auto': resolve it with profile_concurrency first")
+    out_dir = Path(out_dir)
+    store = ShardStore(out_dir, shard_size=g.shard_size)
+    resumed_from = len(store.done_ids)
+    stats = PromptStats()
+    progress = Progress(total=g.num_samples, started=time.monotonic())
+    progress.done = 0
+    pool = make_pool(base_urls, api_key=cfg.serve.api_key, timeout_s=g.timeout_s,
+                     connect_timeout_s=g.connect_timeout_s, max_connections=window, strategy=g.balancing)
+    runner = _Run(cfg, pool, store, progress, make_rebuilder(cfg, tokenizer_path), on_progress)
+    started = time.time()
+
+    async def main() -> None:
+        try:
+            await runner.run(load_prompts(cfg, stats), window)
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+    if finalize:
+        store.finalize()
+    wall = time.time() - started
+    from eagle3.generate.prompts import open_rows
+
+    manifest = {
+        "stage": "generate",
+        "target": cfg.target.model,
+        "served_model_name": cfg.target.served_model_name,
+        "config": g.model_dump(mode="json"),
+        "dataset": {"name": g.dataset, "split": g.split, "fingerprint": open_rows(g.dataset, g.split)[1]},
+        "endpoints": base_urls,
+        "concurrency": window,
+        "this_run": {
+            "resumed_from": resumed_from,
+            "counts": dict(runner.counts),
+            "prompt_rows": asdict(stats),
+            "torn_bytes_dropped": store.torn_bytes,
+            "wall_s": round(wall, 2),
+            "completion_tokens": progress.completion_tokens,
+            "prompt_tokens": runner.prompt_tokens,
+            "completion_tokens_per_s": round(progress.completion_tokens / max(wall, 1e-9), 1),
+            "requests_per_s": round(progress.done / max(wall, 1e-9), 2),
+        },
+        "totals": folder_totals(out_dir),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    write_json_atomic(out_dir / "manifest.json", manifest)
+    return manifest
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(out_dir) / "manifest.json").read_text())
