@@ -107,6 +107,112 @@ def serve(
         typer.echo("stopped")
 
 
+def _served(cfg: PipelineConfig, base_url: str | None):
+    """A context with the target's base URLs: an existing endpoint, or a server started here."""
+    import contextlib
+
+    from eagle3.embedded import resolve_model
+    from eagle3.serving.server import start_server
+
+    if base_url:
+        return contextlib.nullcontext([base_url.rstrip("/"), *cfg.generate.endpoints])
+
+    @contextlib.contextmanager
+    def started():
+        with start_server(cfg, resolve_model(cfg.target.model, cfg.paths.cache_dir)) as server:
+            typer.echo(f"server ready in {server.ready_s:.1f} s at {server.base_url}", err=True)
+            yield [server.base_url, *cfg.generate.endpoints]
+
+    return started()
+
+
+BaseUrlOpt = Annotated[
+    Optional[str],
+    typer.Option("--base-url", help="Use a running server (e.g. http://127.0.0.1:8000) instead of starting one."),
+]
+
+
+@app.command()
+def generate(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    base_url: BaseUrlOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/generate).")] = None,
+) -> None:
+    """Send every prompt to the target and keep reasoning, answer and exact token ids (resumable)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from eagle3.embedded import EmbeddedModelError
+    from eagle3.generate.profile import profile_concurrency
+    from eagle3.generate.runner import ServerUnavailable, generate as run_generate
+    from eagle3.serving.readiness import ServerError
+
+    cfg = _load(config, set_)
+    out = out or cfg.paths.stage_dir("generate")
+    tokenizer = _tokenizer_path(cfg)
+    try:
+        with _served(cfg, base_url) as urls:
+            concurrency = cfg.generate.concurrency
+            if concurrency == "auto":
+                report = profile_concurrency(cfg, urls, out / "profile")
+                concurrency = report["knee"]
+                typer.echo(f"concurrency auto -> {concurrency} (best {report['best']}, "
+                           f"{report['best_tokens_per_s']:.0f} tok/s)", err=True)
+            with Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("{task.fields[tps]:.0f} tok/s  errors {task.fields[err]}"),
+                          TimeRemainingColumn(), transient=False) as bar:
+                task = bar.add_task("generate", total=cfg.generate.num_samples, tps=0.0, err=0)
+
+                def show(p):
+                    bar.update(task, completed=p.done + p.failed + p.skipped, tps=p.tokens_per_s, err=p.failed + p.skipped)
+
+                manifest = run_generate(cfg, urls, out, concurrency=concurrency, tokenizer_path=tokenizer,
+                                        on_progress=show)
+    except (ServerError, EmbeddedModelError, ServerUnavailable, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    run = manifest["this_run"]
+    typer.echo(f"{out}: {manifest['totals']['samples']} samples in total; this run {run['counts']}, "
+               f"{run['completion_tokens_per_s']} tok/s over {run['wall_s']} s")
+
+
+@app.command("profile-concurrency")
+def profile_concurrency_cmd(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    base_url: BaseUrlOpt = None,
+    levels: Annotated[Optional[str], typer.Option(help="Comma-separated levels, e.g. 1,4,16,64.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the JSON and PNG.")] = None,
+) -> None:
+    """Sweep concurrency levels against the live server; save throughput/latency and pick the knee."""
+    from eagle3.generate.profile import profile_concurrency
+    from eagle3.serving.readiness import ServerError
+
+    cfg = _load(config, set_)
+    out = out or cfg.paths.stage_dir("generate") / "profile"
+    lv = [int(x) for x in levels.split(",")] if levels else None
+    try:
+        with _served(cfg, base_url) as urls:
+            report = profile_concurrency(cfg, urls, out, lv, on_level=lambda r: typer.echo(
+                f"  concurrency {r['concurrency']:4d}: {r['tokens_per_s']:8.1f} tok/s  "
+                f"p50 {r['latency_p50_s']:.2f} s  p95 {r['latency_p95_s']:.2f} s"))
+    except ServerError as e:
+        _fail(str(e))
+    typer.echo(f"knee: {report['knee']} (best {report['best']} at {report['best_tokens_per_s']:.0f} tok/s); "
+               f"saved {out}/concurrency-profile.json and .png")
+
+
+def _tokenizer_path(cfg: PipelineConfig) -> str | None:
+    """Tokenizer used only to rebuild token ids a server did not return."""
+    if cfg.target.tokenizer:
+        return cfg.target.tokenizer
+    if cfg.target.is_embedded:
+        from eagle3.embedded import prepared_path
+
+        p = prepared_path(cfg.paths.cache_dir, cfg.target.embedded_name)
+        return str(p) if p else None
+    return None
+
+
 @app.command("render-unit")
 def render_unit_cmd(
     config: ConfigOpt,

@@ -170,3 +170,56 @@ def resolve_model(target_model: str, cache_dir: Path) -> str:
     if path is None:
         raise EmbeddedModelError(f"embedded model {name!r} is not prepared yet: run `eagle3 prepare-model`")
     return str(path)
+
+
+THINK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+# Two special tokens SmolLM2 never uses in chat, renamed into think markers.
+THINK_TOKENS = {15: "<think>", 16: "</think>"}
+
+
+def make_thinking_variant(model_path: Path, out: Path) -> Path:
+    """A copy of a ChatML model whose template opens a ``<think>`` block at every answer.
+
+    SmolLM2 does not reason by itself; this variant lets the whole reasoning path run for real
+    on CPU: vLLM's ``deepseek_r1`` reasoning parser splits ``message.reasoning`` from the
+    content, and the token-id rebuild is checked against a template with think tokens. Two
+    unused special tokens (ids 15, 16) become ``<think>``/``</think>`` as plain added tokens
+    (not "special", so decoded text keeps them, as DeepSeek-R1's do). Weights are symlinked.
+    """
+    model_path, out = Path(model_path), Path(out)
+    if (out / MARKER).is_file():
+        return out
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in model_path.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", MARKER):
+            (tmp / f.name).symlink_to(f.resolve())
+    tok = json.loads((model_path / "tokenizer.json").read_text())
+    for added in tok["added_tokens"]:
+        if added["id"] in THINK_TOKENS:
+            old = added["content"]
+            added["content"], added["special"] = THINK_TOKENS[added["id"]], False
+            vocab = tok["model"]["vocab"]
+            vocab[THINK_TOKENS[added["id"]]] = vocab.pop(old, added["id"])
+    (tmp / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    conf = json.loads((model_path / "tokenizer_config.json").read_text())
+    for key in ("added_tokens_decoder",):
+        for tid, spec_ in conf.get(key, {}).items():
+            if int(tid) in THINK_TOKENS:
+                spec_["content"], spec_["special"] = THINK_TOKENS[int(tid)], False
+    conf.pop("chat_template", None)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
+    (tmp / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    (tmp / MARKER).write_text(json.dumps({"variant": "thinking", "base": str(model_path), "think_tokens": THINK_TOKENS}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

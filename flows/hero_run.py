@@ -3,8 +3,8 @@
     python -m flows.hero_run --config configs/smollm2-cpu.yaml [--set section.field=value ...]
 
 Works without a Prefect server (Prefect starts a temporary one). Stages so far:
-prepare-model -> serve -> smoke chat; later stages (generate, extract, vocab, train,
-verify) plug in between serve and stop.
+prepare-model -> serve -> smoke chat -> generate; later stages (extract, vocab, train,
+verify) plug in after it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3.config import load_config
+from tasks.generate import generate_task
 from tasks.prepare_model import prepare_model_task
 from tasks.serve import smoke_chat_task, start_server_task, stop_server_task
 
@@ -32,6 +33,8 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
     server = start_server_task(cfg, model)
     try:
         answer = smoke_chat_task(server, SMOKE_PROMPT)
+        gen = generate_task(cfg, [server.base_url, *cfg.generate.endpoints], str(cfg.paths.stage_dir("generate")),
+                            tokenizer_path=model if cfg.target.is_embedded else cfg.target.tokenizer)
     finally:
         stop_server_task(server)
     summary = {
@@ -39,6 +42,8 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
         "model": model,
         "server": server.info(),
         "smoke_chat": {"prompt": SMOKE_PROMPT, **answer.to_dict()},
+        "generate": {"dir": str(cfg.paths.stage_dir("generate")), "totals": gen["totals"],
+                     "this_run": gen["this_run"]},
     }
     cfg.paths.run_dir.mkdir(parents=True, exist_ok=True)
     out = cfg.paths.run_dir / "hero-run.json"
@@ -51,6 +56,8 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
             f"# Hero run: {cfg.name}\n\n- target: `{model}`\n- server ready in {server.ready_s:.1f} s\n"
             f"- smoke chat: {answer.content!r} ({len(answer.completion_token_ids)} tokens, "
             f"{answer.latency_s:.2f} s)\n"
+            f"- generate: {gen['totals']['samples']} samples, {gen['totals']['completion_tokens']} completion tokens, "
+            f"{gen['this_run']['completion_tokens_per_s']} tok/s this run; errors {gen['totals']['errors_by_kind']}\n"
         ),
     )
     return summary
@@ -65,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     chat = summary["smoke_chat"]
     print(f"\nHero run {summary['profile']} finished: server ready in {summary['server']['ready_s']} s")
     print(f"Q: {chat['prompt']}\nA: {chat['content']}  ({len(chat['completion_token_ids'])} tokens)")
+    gen = summary["generate"]
+    print(f"generate: {gen['totals']['samples']} samples in {gen['dir']} "
+          f"({gen['this_run']['completion_tokens_per_s']} tok/s this run)")
 
 
 if __name__ == "__main__":

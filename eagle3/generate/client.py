@@ -132,4 +132,6 @@ async def chat_request(
         ep.failures += 1
         if attempt + 1 < policy.max_attempts:
             await asyncio.sleep(policy.delay(attempt))
-    raise Exhausted(f"{type(last).__name__} after {policy.max_attempts} attempts: {last}")
+    # The aiohttp transport reports a refused connection as a timeout; the cause says which it was.
+    cause = f" ({last.__cause__})" if last is not None and last.__cause__ else ""
+    raise Exhausted(f"{type(last).__name__} after {policy.max_attempts} attempts: {last}{cause}")
