@@ -70,3 +70,34 @@ def fake_systemd(tmp_path, monkeypatch):
 
 def stub_argv(port: int, model: str, *extra: str) -> list[str]:
     return [sys.executable, str(FAKES / "openai_stub.py"), str(port), model, *extra]
+
+
+@pytest.fixture(scope="session")
+def think_model(smol_model, tmp_path_factory) -> Path:
+    """SmolLM2 with a template that opens a <think> block (see eagle3.embedded.make_thinking_variant)."""
+    from eagle3.embedded import make_thinking_variant
+
+    return make_thinking_variant(smol_model, tmp_path_factory.mktemp("think") / "smollm2-think")
+
+
+@pytest.fixture(scope="session")
+def think_server(cpu_cfg, think_model, tmp_path_factory):
+    """A REAL vLLM CPU server with the thinking variant and vLLM's deepseek_r1 reasoning parser."""
+    from eagle3.config import load_config
+    from eagle3.serving.server import start_server
+
+    cfg = load_config(CPU_PROFILE, ["serve.reasoning_parser=deepseek_r1"])
+    require_vllm(cfg)
+    server = start_server(cfg, str(think_model), log_dir=tmp_path_factory.mktemp("vllm-think-logs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def gen_cfg(tmp_path, *overrides):
+    """The CPU profile, small and fast, writing under tmp_path."""
+    from eagle3.config import load_config
+
+    return load_config(CPU_PROFILE, [f"paths.runs_dir={tmp_path}", "generate.max_tokens=24",
+                                     "generate.backoff_base_s=0.05", "generate.backoff_max_s=0.2", *overrides])

@@ -165,3 +165,33 @@ def test_knee_is_smallest_level_near_best():
     levels = [{"concurrency": c, "tokens_per_s": t} for c, t in [(1, 30), (16, 200), (64, 285), (128, 290), (200, 289)]]
     assert pick_knee(levels, 0.97) == 64
     assert pick_knee(levels, 1.0) == 128
+
+
+def test_history_turns_keep_an_unanswered_question():
+    from eagle3.generate.prompts import select_turns
+
+    answered = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    assert [m["content"] for m in select_turns(answered, "history")] == ["a", "b", "c"]
+    assert [m["content"] for m in select_turns(answered[:3], "history")] == ["a", "b", "c"]
+    assert [m["content"] for m in select_turns(answered, "first")] == ["a"]
+
+
+def test_rebuild_wraps_reasoning_in_think_tokens(think_model):
+    """Rebuilt ids equal the chat template's own rendering of the whole turn."""
+    from transformers import AutoTokenizer
+
+    from eagle3.tokens import rebuild_token_ids
+
+    tok = AutoTokenizer.from_pretrained(think_model)
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    prompt, completion = rebuild_token_ids(tok, msgs, "2 plus 2 is 4.", "The answer is 4.", "stop",
+                                           think_start_id=15, think_end_id=16)
+    whole = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) + \
+        "2 plus 2 is 4.</think>The answer is 4.<|im_end|>"
+    assert prompt + completion == tok(whole, add_special_tokens=False)["input_ids"]
+    assert completion.count(16) == 1 and 15 not in completion  # <think> was opened by the prompt
+    _, cut = rebuild_token_ids(tok, msgs, "still thinking", None, "length", think_start_id=15, think_end_id=16)
+    assert 16 not in cut and cut[-1] != tok.eos_token_id  # never closed, cut at max_tokens
+    with pytest.raises(ValueError, match="no think tokens"):
+        rebuild_token_ids(tok, msgs, "r", "c", "stop")

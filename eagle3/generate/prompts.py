@@ -119,8 +119,11 @@ def select_turns(messages: list[dict[str, str]], turns: str = "first") -> list[d
             raise RowError("no user turn")
         picked = system + [users[0]]
     elif turns == "history":
+        # a conversation that ends with its answer loses that answer (the target writes it);
+        # one that ends with a question is sent whole
         last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-        picked = messages[:last_assistant] if last_assistant is not None else list(messages)
+        ends_answered = last_assistant is not None and last_assistant == len(messages) - 1
+        picked = messages[:last_assistant] if ends_answered else list(messages)
         while picked and picked[-1]["role"] != "user":
             picked.pop()
         if not picked:
