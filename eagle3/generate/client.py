@@ -106,7 +106,7 @@ async def chat_request(
     request: dict[str, Any],
     policy: RetryPolicy,
 ) -> tuple[dict[str, Any], str, int, float]:
-    """Send one chat completion with retries. Returns (response JSON, endpoint, attempts, latency of the last try).
+    """POST one chat completion body with retries. Returns (response JSON, endpoint, attempts, latency of the last try).
 
     The raw JSON is kept (not the SDK's pydantic object): vLLM's extra fields
     (``prompt_token_ids``, ``token_ids``, ``reasoning``) are read as sent, and a million
@@ -119,8 +119,11 @@ async def chat_request(
         ep.sent += 1
         t0 = time.perf_counter()
         try:
-            raw = await ep.client.chat.completions.with_raw_response.create(**request)
-            return json.loads(raw.http_response.content), ep.base_url, attempt + 1, time.perf_counter() - t0
+            # The generic post skips the SDK's typed-params transform (a recursive walk of every
+            # message: a third of the CPU time per request at high rates) but keeps its auth,
+            # timeouts and error mapping.
+            raw = await ep.client.post("/chat/completions", body=request, cast_to=httpx.Response)
+            return json.loads(raw.content), ep.base_url, attempt + 1, time.perf_counter() - t0
         except openai.APIStatusError as e:
             if e.status_code not in RETRYABLE_STATUS:
                 raise Rejected(e.status_code, _error_text(e)) from None

@@ -37,9 +37,9 @@ async def _level(cfg: PipelineConfig, base_urls: list[str], prompts: list[Prompt
     async def one(p: Prompt) -> None:
         nonlocal tokens
         req = {"model": cfg.target.served_model_name, "messages": p.messages, "max_tokens": g.profile_max_tokens,
-               "temperature": g.temperature, "extra_body": {"ignore_eos": True, "return_token_ids": True,
-                                                            **({"chat_template_kwargs": g.chat_template_kwargs}
-                                                               if g.chat_template_kwargs else {})}}
+               "temperature": g.temperature, "ignore_eos": True, "return_token_ids": True}
+        if g.chat_template_kwargs:
+            req["chat_template_kwargs"] = g.chat_template_kwargs
         async with sem:
             resp, _, _, latency = await chat_request(pool, req, policy)
         latencies.append(latency)

@@ -143,17 +143,18 @@ class _Run:
         self.prompt_tokens = 0
 
     def request(self, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
-        extra: dict[str, Any] = {"return_token_ids": True}
-        if self.g.chat_template_kwargs:
-            extra["chat_template_kwargs"] = self.g.chat_template_kwargs
-        return {
+        """The chat completion body (vLLM's extra fields inline: it is sent as JSON as is)."""
+        body: dict[str, Any] = {
             "model": self.cfg.target.served_model_name,
             "messages": prompt.messages,
             "max_tokens": max_tokens,
             "temperature": self.g.temperature,
             "top_p": self.g.top_p,
-            "extra_body": extra,
+            "return_token_ids": True,
         }
+        if self.g.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.g.chat_template_kwargs
+        return body
 
     def error(self, kind: str, reason: str, prompt: Prompt | None = None, source: Any = None) -> None:
         self.store.add_error({"id": prompt.id if prompt else None, "source": prompt.source_index if prompt else source,
