@@ -201,6 +201,34 @@ def profile_concurrency_cmd(
                f"saved {out}/concurrency-profile.json and .png")
 
 
+@app.command()
+def extract(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    generate_dir: Annotated[Optional[Path], typer.Option(help="Generate output (default: <run dir>/generate).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/extract).")] = None,
+) -> None:
+    """Hidden states at the auxiliary layers (+ final pre-norm state) over the generated conversations."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.extract.runner import TokenizerMismatch, extract as run_extract
+
+    cfg = _load(config, set_)
+    generate_dir = generate_dir or cfg.paths.stage_dir("generate")
+    out = out or cfg.paths.stage_dir("extract")
+    try:
+        model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
+        with Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
+            task = bar.add_task("extract", total=None)
+            manifest = run_extract(cfg, generate_dir, out, model,
+                                   on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError) as e:
+        _fail(str(e))
+    typer.echo(f"{out}: {manifest['samples']} samples, {manifest['tokens']} tokens, "
+               f"{manifest['bytes_per_token']} bytes/token ({manifest['storage_dtype']}), layers {manifest['aux_layers']}")
+
+
 def _tokenizer_path(cfg: PipelineConfig) -> str | None:
     """Tokenizer used only to rebuild token ids a server did not return."""
     if cfg.target.tokenizer:

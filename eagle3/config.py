@@ -170,12 +170,18 @@ class GenerateConfig(_Section):
 
 
 class ExtractConfig(_Section):
+    """Hidden states of the target at the auxiliary layers (+ the final pre-norm state)."""
+
     backend: Literal["hf", "vllm"] = "hf"
     aux_layers: list[int] | None = Field(None, description="vLLM convention; default (2, N//2, N-3).")
     storage_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     max_seq_len: int = Field(2048, gt=0)
-    token_budget: int = Field(8192, gt=0)
+    truncation: Literal["truncate", "skip"] = Field("truncate", description="what to do with longer samples")
+    token_budget: int = Field(8192, gt=0, description="tokens per forward batch (padded)")
     samples_per_shard: int = Field(256, gt=0)
+    chunk_samples: int = Field(512, gt=0, description="samples read and bucketed at once")
+    device: str = "auto"
+    dtype: str = Field("auto", description="compute dtype: auto = bf16 on CUDA, float32 on CPU")
 
 
 class VocabConfig(_Section):

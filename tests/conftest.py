@@ -101,3 +101,14 @@ def gen_cfg(tmp_path, *overrides):
 
     return load_config(CPU_PROFILE, [f"paths.runs_dir={tmp_path}", "generate.max_tokens=24",
                                      "generate.backoff_base_s=0.05", "generate.backoff_max_s=0.2", *overrides])
+
+
+@pytest.fixture(scope="session")
+def gen_dir(vllm_server, tmp_path_factory) -> Path:
+    """A small generate output from the real server: 8 samples, shared by extract/vocab/train tests."""
+    from eagle3.generate.runner import generate
+
+    root = tmp_path_factory.mktemp("generated")
+    cfg = gen_cfg(root, "generate.num_samples=8", "generate.max_tokens=40", "generate.concurrency=8")
+    generate(cfg, [vllm_server.base_url], root / "generate")
+    return root / "generate"

@@ -21,11 +21,15 @@ def prefect_backend():
 def test_hero_run_flow(prefect_backend, vllm_server, tmp_path):
     summary = hero_run(
         config=str(CPU_PROFILE),
-        overrides=["serve.backend=external", f"serve.base_url={vllm_server.base_url}", f"paths.runs_dir={tmp_path}"],
+        overrides=["serve.backend=external", f"serve.base_url={vllm_server.base_url}", f"paths.runs_dir={tmp_path}",
+                   "generate.num_samples=4", "generate.max_tokens=16"],
     )
     assert summary["server"]["backend"] == "external" and not summary["server"]["started_here"]
     assert "paris" in summary["smoke_chat"]["content"].lower()
     assert summary["smoke_chat"]["completion_token_ids"]
     on_disk = json.loads((tmp_path / "smollm2-cpu" / "hero-run.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
+    gen = summary["generate"]
+    assert gen["totals"]["samples"] == 4 and gen["this_run"]["counts"]["generated"] == 4
+    assert (tmp_path / "smollm2-cpu" / "generate" / "manifest.json").exists()
     assert vllm_server.base_url  # the shared server is still there: external runs never stop it

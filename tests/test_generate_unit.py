@@ -195,3 +195,16 @@ def test_rebuild_wraps_reasoning_in_think_tokens(think_model):
     assert 16 not in cut and cut[-1] != tok.eos_token_id  # never closed, cut at max_tokens
     with pytest.raises(ValueError, match="no think tokens"):
         rebuild_token_ids(tok, msgs, "r", "c", "stop")
+
+
+def test_parquet_and_json_sources(tmp_path):
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(5)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    for name in ("d.parquet", "d.json"):
+        got = sorted(x.messages[0]["content"] for x in iter_prompts(str(tmp_path / name)))
+        assert got == [f"q{i}" for i in range(5)], name
+    with pytest.raises(FileNotFoundError):
+        list(iter_prompts(str(tmp_path / "missing.jsonl")))

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from eagle3.config import PipelineConfig
+from eagle3.fingerprint import server_fingerprint
 from eagle3.generate.client import EndpointPool, Exhausted, Rejected, RetryPolicy, chat_request, make_pool
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
 from eagle3.generate.storage import ShardStore, iter_samples, latest_errors, write_json_atomic
@@ -331,6 +332,8 @@ def generate(
         "config": g.model_dump(mode="json"),
         "dataset": {"name": g.dataset, "split": g.split, "fingerprint": open_rows(g.dataset, g.split)[1]},
         "endpoints": base_urls,
+        "tokenizer_fingerprint": server_fingerprint(base_urls[0], cfg.target.served_model_name,
+                                                    g.chat_template_kwargs, cfg.serve.api_key),
         "concurrency": window,
         "this_run": {
             "resumed_from": resumed_from,

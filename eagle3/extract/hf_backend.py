@@ -1,0 +1,113 @@
+"""Hidden states with transformers: the backend for targets that fit one machine.
+
+- Only the base model runs (``AutoModel``: no lm_head, so no [T, vocab] logits are ever made).
+- Forward hooks keep exactly what training needs: the INPUT of each auxiliary layer (vLLM's
+  convention; equal to HF ``hidden_states[k]``) and the OUTPUT of the last layer before the
+  final norm. ``output_hidden_states`` would keep all N+1 states (61 for Kimi) alive at once.
+- Batches are length-bucketed under a token budget and right-padded: with causal attention
+  the real positions never see the padding, so padded rows equal unpadded ones.
+- ``torch.inference_mode``, CUDA when present (bf16 there; float32 on CPU by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from eagle3.batching import token_budget_batches
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    for attr in ("layers", "h", "decoder.layers", "model.layers"):
+        obj = model
+        for part in attr.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def load_base_model(model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+class LayerTap:
+    """Forward hooks that capture aux-layer inputs and the last layer's output."""
+
+    def __init__(self, model: Any, aux_layers: list[int]):
+        self.layers = decoder_layers(model)
+        self.aux_layers = aux_layers
+        self.captured: dict[str, torch.Tensor] = {}
+        self.handles = []
+        for k in aux_layers:
+            self.handles.append(self.layers[k].register_forward_pre_hook(self._pre(k), with_kwargs=True))
+        self.handles.append(self.layers[-1].register_forward_hook(self._post, with_kwargs=True))
+
+    def _pre(self, k: int):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            self.captured[f"aux{k}"] = x
+        return hook
+
+    def _post(self, module, args, kwargs, output):
+        self.captured["final"] = output[0] if isinstance(output, tuple) else output
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = torch.cat([self.captured[f"aux{k}"] for k in self.aux_layers], dim=-1)
+        final = self.captured["final"]
+        self.captured = {}
+        return aux, final
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def forward_states(model: Any, tap: LayerTap, seqs: list[list[int]], device: torch.device, pad_id: int = 0
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One padded batch -> per sequence (aux [T, 3H], final [T, H]) on the CPU."""
+    longest = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    aux, final = tap.take()
+    return [(aux[i, : len(s)].cpu(), final[i, : len(s)].cpu()) for i, s in enumerate(seqs)]
+
+
+def extract_hf(model_path: str, examples: list[Any], aux_layers: list[int], token_budget: int,
+               device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False
+               ) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor]]:
+    """Yield (example, aux [T, 3H], final [T, H]) for each example (any order: batched by length)."""
+    dev = pick_device(device)
+    model = load_base_model(model_path, dev, pick_dtype(dtype, dev), trust_remote_code)
+    tap = LayerTap(model, aux_layers)
+    try:
+        for batch in token_budget_batches([len(e.input_ids) for e in examples], token_budget):
+            outs = forward_states(model, tap, [examples[i].input_ids for i in batch], dev)
+            for i, (aux, final) in zip(batch, outs):
+                yield examples[i], aux, final
+    finally:
+        tap.remove()

@@ -1,0 +1,138 @@
+"""The extract stage: generate output -> sharded hidden states for training.
+
+    manifest = extract(cfg, generate_dir, out_dir, model_path)
+
+Reads the generate shards in chunks (memory stays bounded for any dataset size), skips
+samples already stored (resume by sample id), runs the configured backend, drops samples
+with NaN/inf states (recorded in errors.jsonl with the reason), and writes a manifest with
+the target, tokenizer fingerprint, layer ids and their convention, dtype, counts and bytes/token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.config import PipelineConfig
+from eagle3.extract.inputs import Example, iter_examples
+from eagle3.extract.storage import Sample, ShardWriter
+from eagle3.generate.storage import JsonlAppender, write_json_atomic
+
+CONVENTION = ("vLLM: aux layer k is the INPUT of decoder layer k (= HF output_hidden_states[k], 0 = embeddings); "
+              "final is the OUTPUT of the last decoder layer before the final norm")
+
+
+class TokenizerMismatch(RuntimeError):
+    pass
+
+
+def check_fingerprint(generate_manifest: dict[str, Any], model_path: str, cfg: PipelineConfig) -> str | None:
+    """The local tokenizer must be the one the server used in generate. Returns the fingerprint."""
+    from transformers import AutoTokenizer
+
+    from eagle3.fingerprint import local_fingerprint
+
+    tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or model_path, trust_remote_code=cfg.target.trust_remote_code)
+    mine = local_fingerprint(tok, cfg.generate.chat_template_kwargs)
+    theirs = generate_manifest.get("tokenizer_fingerprint")
+    if theirs and theirs != mine:
+        raise TokenizerMismatch(
+            f"tokenizer fingerprint {mine} of {cfg.target.tokenizer or model_path} differs from {theirs}, the one the "
+            "generate stage's server used: the token ids would mean different things. Point target.tokenizer "
+            "(or the model) at the served model's tokenizer, or regenerate."
+        )
+    return mine
+
+
+def _chunks(items: Iterator[Any], n: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for x in items:
+        chunk.append(x)
+        if len(chunk) >= n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: str,
+            on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    e = cfg.extract
+    generate_dir, out_dir = Path(generate_dir), Path(out_dir)
+    gen_manifest = json.loads((generate_dir / "manifest.json").read_text())
+    fingerprint = check_fingerprint(gen_manifest, model_path, cfg)
+    writer = ShardWriter(out_dir, e.storage_dtype, e.samples_per_shard)
+    resumed_from = len(writer.done_ids)
+    errors = JsonlAppender(out_dir / "errors.jsonl")
+    counts = {"stored": 0, "skipped": 0, "truncated": 0, "nonfinite": 0}
+    total = gen_manifest["totals"]["samples"]
+    started = time.time()
+    layers = cfg.aux_layers
+
+    def record_error(sid: str, reason: str) -> None:
+        errors.append({"id": sid, "reason": reason, "time": time.time()})
+
+    def states(chunk: list[Example]) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
+        if e.backend == "hf":
+            from eagle3.extract.hf_backend import extract_hf
+
+            yield from extract_hf(model_path, chunk, layers, e.token_budget, e.device, e.dtype,
+                                  cfg.target.trust_remote_code)
+        else:
+            raise NotImplementedError("the vLLM backend is wired in through eagle3.extract.vllm_backend")
+
+    try:
+        for chunk in _chunks(iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids),
+                             e.chunk_samples):
+            good = []
+            for item in chunk:
+                if isinstance(item, tuple):
+                    record_error(*item)
+                    counts["skipped"] += 1
+                else:
+                    good.append(item)
+            for ex, aux, final in states(good):
+                if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+                    record_error(ex.id, "non-finite hidden states (NaN/inf)")
+                    counts["nonfinite"] += 1
+                    continue
+                if ex.truncated_from:
+                    record_error(ex.id, f"truncated from {ex.truncated_from} to {len(ex.input_ids)} tokens")
+                    counts["truncated"] += 1
+                writer.add(Sample(ex.id, torch.tensor(ex.input_ids), torch.tensor(ex.loss_mask, dtype=torch.bool),
+                                  aux, final))
+                counts["stored"] += 1
+                if on_progress:
+                    on_progress(resumed_from + counts["stored"], total)
+            writer.flush()  # a chunk is the resume unit
+    finally:
+        errors.close()
+    writer.flush()
+    tokens = sum(v[2] for v in writer.index.values())
+    shard_bytes = sum((out_dir / s).stat().st_size for s in writer.shards)
+    manifest = {
+        "stage": "extract",
+        "target": cfg.target.model,
+        "model_path": model_path,
+        "backend": e.backend,
+        "tokenizer_fingerprint": fingerprint,
+        "aux_layers": layers,
+        "convention": CONVENTION,
+        "hidden_size": cfg.target.hidden_size,
+        "storage_dtype": e.storage_dtype,
+        "config": e.model_dump(mode="json"),
+        "generate_dir": str(generate_dir),
+        "samples": len(writer.index),
+        "tokens": tokens,
+        "bytes": shard_bytes,
+        "bytes_per_token": round(shard_bytes / max(tokens, 1), 1),
+        "this_run": {"resumed_from": resumed_from, **counts, "wall_s": round(time.time() - started, 2),
+                     "tokens_per_s": round(writer.tokens_written / max(time.time() - started, 1e-9), 1)},
+    }
+    write_json_atomic(out_dir / "manifest.json", manifest)
+    return manifest

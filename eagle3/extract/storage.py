@@ -1,0 +1,169 @@
+"""Hidden-state storage: sharded safetensors, many samples per shard, bf16 or fp8.
+
+Per shard (``hidden-NNNNN.safetensors``), samples are concatenated along the token axis:
+  input_ids [N] int64, loss_mask [N] uint8, offsets [S+1] int64 (sample i = rows offsets[i]:offsets[i+1])
+  aux   [N, 3H]  the auxiliary layers' states, concatenated in layer-id order
+  final [N, H]   the last layer's output before the final norm (the target distribution comes from it)
+bf16: aux/final stored as bfloat16. fp8: float8_e4m3fn with one float32 scale per token row
+(``aux_scale`` [N], ``final_scale`` [N]): amax/448 per row keeps every row's largest value exact-ish
+and halves the disk (the field's main pain: ~8H bytes per token in bf16).
+The shard's metadata holds the sample ids (JSON). ``index.json`` maps sample id -> (shard, position).
+
+Shards are written under a temporary name and renamed into place; the index is rewritten
+atomically after each shard, so a killed run resumes from the last complete shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3.batching import token_budget_batches
+from eagle3.generate.storage import fsync_dir, write_json_atomic
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) scaled e4m3: returns (fp8 tensor, float32 scale per row)."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+@dataclass
+class Sample:
+    id: str
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool / uint8
+    aux: torch.Tensor  # [T, 3H]
+    final: torch.Tensor  # [T, H]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class ShardWriter:
+    """Buffers samples and writes a shard every ``samples_per_shard``."""
+
+    def __init__(self, root: Path, storage_dtype: str = "bfloat16", samples_per_shard: int = 256):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.dtype = storage_dtype
+        self.per_shard = samples_per_shard
+        self.index_path = self.root / "index.json"
+        self.index: dict[str, list] = json.loads(self.index_path.read_text()) if self.index_path.exists() else {}
+        self.shards = sorted({v[0] for v in self.index.values()})
+        for stray in self.root.glob(".hidden-*.tmp"):
+            stray.unlink()  # a shard that was being written when a run died
+        self._buf: list[Sample] = []
+        self.tokens_written = 0
+        self.bytes_written = 0
+
+    @property
+    def done_ids(self) -> set[str]:
+        return set(self.index)
+
+    def add(self, s: Sample) -> None:
+        if s.id in self.index or any(b.id == s.id for b in self._buf):
+            return
+        self._buf.append(s)
+        if len(self._buf) >= self.per_shard:
+            self.flush()
+
+    def _pack(self, name: str, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        if self.dtype == "float8_e4m3fn":
+            q, scale = quantize_fp8(x)
+            tensors[name], tensors[f"{name}_scale"] = q, scale
+        else:
+            tensors[name] = x.to(torch.bfloat16)
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        name = f"hidden-{len(self.shards):05d}.safetensors"
+        lengths = [len(s) for s in self._buf]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        tensors = {
+            "input_ids": torch.cat([s.input_ids.long() for s in self._buf]),
+            "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in self._buf]),
+            "offsets": offsets,
+        }
+        self._pack("aux", torch.cat([s.aux for s in self._buf]), tensors)
+        self._pack("final", torch.cat([s.final for s in self._buf]), tensors)
+        tmp = self.root / f".{name}.tmp"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"ids": json.dumps([s.id for s in self._buf]), "storage_dtype": self.dtype})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tmp.replace(self.root / name)
+        fsync_dir(self.root)
+        for i, s in enumerate(self._buf):
+            self.index[s.id] = [name, i, len(s)]
+        write_json_atomic(self.index_path, self.index)
+        self.shards.append(name)
+        self.tokens_written += int(offsets[-1])
+        self.bytes_written += (self.root / name).stat().st_size
+        self._buf = []
+
+
+class HiddenStateDataset:
+    """Random access to stored samples (memory-mapped shards), for training.
+
+    ``ds[i]`` -> Sample with aux/final in ``dtype`` (fp8 shards are dequantised on read).
+    """
+
+    def __init__(self, root: Path, dtype: torch.dtype = torch.bfloat16):
+        self.root = Path(root)
+        self.dtype = dtype
+        index = json.loads((self.root / "index.json").read_text())
+        self.ids = sorted(index)
+        self.entries = [index[i] for i in self.ids]
+        self._handles: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def length(self, i: int) -> int:
+        return int(self.entries[i][2])
+
+    def _handle(self, shard: str):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.root / shard), framework="pt")
+        return self._handles[shard]
+
+    def __getitem__(self, i: int) -> Sample:
+        shard, pos, _ = self.entries[i]
+        h = self._handle(shard)
+        offsets = h.get_slice("offsets")[pos : pos + 2]
+        a, b = int(offsets[0]), int(offsets[1])
+        fp8 = h.metadata().get("storage_dtype") == "float8_e4m3fn"
+
+        def states(name: str) -> torch.Tensor:
+            x = h.get_slice(name)[a:b]
+            return dequantize_fp8(x, h.get_slice(f"{name}_scale")[a:b], self.dtype) if fp8 else x.to(self.dtype)
+
+        return Sample(self.ids[i], h.get_slice("input_ids")[a:b], h.get_slice("loss_mask")[a:b].bool(),
+                      states("aux"), states("final"))
+
+    def batches(self, token_budget: int, shuffle: bool = True, seed: int = 0) -> Iterator[list[int]]:
+        """Length-bucketed batches of indices: sorted by length, cut so that
+        batch_size * longest <= token_budget (padding waste stays small), batches shuffled."""
+        batches = token_budget_batches([self.length(i) for i in range(len(self))], token_budget)
+        if shuffle:
+            random.Random(seed).shuffle(batches)
+        yield from batches

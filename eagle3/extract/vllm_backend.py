@@ -1,0 +1,175 @@
+"""The vLLM backend of the extract stage: the target's hidden states, computed by the server itself.
+
+Why through vLLM: for a target that only fits on the serving GPUs (Kimi-K2.5, 8 GPUs, INT4), the
+server is the only thing that can run it; and its numerics are the ones the draft will see at
+inference time. The pipeline still never imports vllm: it starts the server (serve stage) with
+vLLM's ``extract_hidden_states`` speculative method and our connector
+(``eagle3/extract/vllm_connector.py``, loaded inside the server), sends each sample's exact token
+ids as a completion prompt (``max_tokens=1``), and reads the per-request safetensors file the
+connector writes to a folder both sides see.
+
+Layer ids use vLLM's convention: k = the input of decoder layer k = HF ``output_hidden_states[k]``;
+k = num_hidden_layers is the last layer's output before the final norm (the "final" state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from eagle3 import PROJECT_ROOT
+from eagle3.config import PipelineConfig
+from eagle3.serving.readiness import auth_headers
+from eagle3.serving.server import Server, start_server
+
+CONNECTOR_CLASS = "Eagle3HiddenStatesConnector"
+CONNECTOR_MODULE = "eagle3.extract.vllm_connector"
+
+
+class ExtractError(RuntimeError):
+    """A sample's hidden states could not be obtained or do not match what was sent."""
+
+
+def speculative_config(layer_ids: list[int]) -> dict[str, Any]:
+    """vLLM's capture-only "drafter"; the layers go in the draft hf_config (sorted, unique: vLLM sorts them)."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,  # the only value the extract proposer accepts
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(set(layer_ids))}},
+    }
+
+
+def kv_transfer_config(storage_dir: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+
+
+def extract_server_config(cfg: PipelineConfig, storage_dir: Path) -> PipelineConfig:
+    """The profile's serve settings plus the connector, no prefix caching, and our root on PYTHONPATH.
+
+    Prefix caching must be off: a cached prefix is not recomputed, so its hidden states would be
+    missing (or stale) for the request.
+    """
+    s = cfg.serve
+    if s.backend != "process":
+        raise ValueError(
+            f"extract backend 'vllm' starts its own server with a KV connector; serve.backend={s.backend!r} "
+            "servers were started without it (use serve.backend=process)"
+        )
+    extra = list(s.extra_args) + [
+        "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir), separators=(",", ":")),
+        "--no-enable-prefix-caching",
+    ]
+    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), s.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p)
+    env = {**s.env, "PYTHONPATH": pythonpath}
+    return cfg.model_copy(update={"serve": s.model_copy(update={"extra_args": extra, "env": env})})
+
+
+async def _request(client: httpx.AsyncClient, server: Server, sample_id: str, token_ids: list[int],
+                   file_timeout_s: float) -> Path:
+    """Send one exact-token prompt; return the path of the finished hidden-states file."""
+    body = {"model": server.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0}
+    r = await client.post(f"{server.base_url}/v1/completions", json=body)
+    if r.status_code != 200:
+        raise ExtractError(f"sample {sample_id}: server answered {r.status_code}: {r.text[:500]}")
+    params = r.json().get("kv_transfer_params") or {}
+    if "hidden_states_path" not in params:
+        raise ExtractError(f"sample {sample_id}: no kv_transfer_params.hidden_states_path in the response "
+                           "(is the connector configured?)")
+    path = Path(params["hidden_states_path"])
+    deadline = time.monotonic() + file_timeout_s
+    delay = 0.005
+    while not path.exists():  # the connector writes after the response is sent, then renames atomically
+        if time.monotonic() > deadline:
+            raise ExtractError(f"sample {sample_id}: {path} did not appear within {file_timeout_s} s")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.2)
+    return path
+
+
+def read_hidden(path: Path, sample_id: str, token_ids: list[int], pick: list[int]) -> torch.Tensor:
+    """Load, check the tokens, reorder layers to the caller's order, delete the file."""
+    data = load_file(str(path))
+    path.unlink()
+    got = data["token_ids"].tolist()
+    if got != list(token_ids):
+        raise ExtractError(f"sample {sample_id}: the server saw {len(got)} tokens that differ from the "
+                           f"{len(token_ids)} sent")
+    hidden = data["hidden_states"]
+    if hidden.shape[0] != len(token_ids) or hidden.shape[1] < max(pick) + 1:
+        raise ExtractError(f"sample {sample_id}: hidden_states {tuple(hidden.shape)} for {len(token_ids)} tokens")
+    return hidden[:, pick].float()
+
+
+def extract_vllm(
+    cfg: PipelineConfig,
+    model: str,
+    samples: Iterable[tuple[str, list[int]]],
+    layer_ids: list[int],
+    work_dir: Path,
+    concurrency: int = 8,
+    request_timeout_s: float = 600.0,
+    file_timeout_s: float = 120.0,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(sample_id, hidden [T, len(layer_ids), H] float32)`` per sample, in completion order.
+
+    Starts the target's vLLM server (process backend) for the duration of the iteration and stops
+    it at the end, on error, or when the consumer stops iterating. ``samples`` is read lazily,
+    ``concurrency`` requests at a time. Per-request files live in ``work_dir/vllm-hidden`` and are
+    deleted once read.
+    """
+    if not layer_ids:
+        raise ValueError("layer_ids is empty")
+    captured = sorted(set(layer_ids))
+    pick = [captured.index(k) for k in layer_ids]
+    work_dir = Path(work_dir)
+    storage = work_dir / "vllm-hidden"
+    storage.mkdir(parents=True, exist_ok=True)
+    server = start_server(extract_server_config(cfg, storage), model, log_dir=work_dir / "serve",
+                          speculative_config=speculative_config(captured))
+    loop = asyncio.new_event_loop()
+    client = httpx.AsyncClient(
+        headers=auth_headers(server.api_key),
+        timeout=httpx.Timeout(request_timeout_s, connect=30.0),
+        limits=httpx.Limits(max_connections=concurrency),
+    )
+    pending: dict[asyncio.Task, tuple[str, list[int]]] = {}
+    try:
+        it = iter(samples)
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) < concurrency:
+                try:
+                    sample_id, token_ids = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                task = loop.create_task(_request(client, server, sample_id, list(token_ids), file_timeout_s))
+                pending[task] = (sample_id, list(token_ids))
+            if not pending:
+                break
+            done, _ = loop.run_until_complete(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+            for task in done:
+                sample_id, token_ids = pending.pop(task)
+                yield sample_id, read_hidden(task.result(), sample_id, token_ids, pick)
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(client.aclose())
+        loop.close()
+        server.stop()

@@ -1,0 +1,253 @@
+"""A device-agnostic vLLM KV connector that writes the target's hidden states to disk.
+
+Imported INSIDE the vLLM server process (``kv_connector_module_path =
+"eagle3.extract.vllm_connector"``, the project root on the server's PYTHONPATH), whose venv has
+none of the pipeline's dependencies: this module imports only the stdlib, torch, safetensors and
+vllm. ``eagle3/__init__.py`` imports only pathlib, so importing the package there is safe.
+
+How vLLM (0.32) captures hidden states
+--------------------------------------
+``--speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
+"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}'`` makes the
+target return its EAGLE-3 auxiliary hidden states; the "drafter" (``ExtractHiddenStatesModel``)
+only stores them, stacked ``[tokens, num_layers, H]``, into a KV-cache-shaped buffer
+(``CacheOnlyAttentionLayer``, one "head" per layer, head size H). A KV connector then reads the
+request's blocks of that buffer when the request finishes. This connector is that reader.
+
+- Layer selection: ``eagle_aux_hidden_state_layer_ids`` in the draft hf_config (above). Without it
+  the extract proposer refuses to start (it does not fall back to the model default).
+- Convention: layer id k is the INPUT of decoder layer k (``hidden_states + residual`` after k
+  layers), i.e. Hugging Face ``output_hidden_states[k]``; k = 0 is the embedding output
+  (``LlamaModel.forward`` -> ``EagleModelMixin._maybe_add_hidden_state(idx + 1, ...)``).
+- The FINAL state: layer id N (= num_hidden_layers) is accepted (nothing checks the range) and is
+  the output of the last decoder layer, ``hidden_states + residual``, BEFORE the final norm:
+  exactly what EAGLE-3 training needs for the target distribution (``lm_head(norm(h_N))``). Note
+  that HF's last ``hidden_states`` entry is AFTER the final norm, so compare against a hook on
+  ``model.model.norm``'s input, not ``hidden_states[N]``.
+- Order: vLLM sorts and de-duplicates the ids (``_set_aux_hidden_state_layers``), so the stored
+  layers are in ascending id order; duplicates would break the proposer's buffer shape. Callers
+  must pass sorted unique ids and re-order themselves.
+- Tokens: the prompt tokens only (the sampled token never went through a forward pass).
+- Prefix caching must be off (``--no-enable-prefix-caching``): a cached prefix is not recomputed.
+
+Output: one safetensors file per request, ``<shared_storage_path>/<request id>.safetensors`` with
+``hidden_states`` [num_tokens, num_layers, H] (serving dtype) and ``token_ids`` [num_tokens]
+int64. The file is written under a temporary name and renamed, so a reader that sees the final
+name sees a complete file. The path is returned to the client in the response's
+``kv_transfer_params["hidden_states_path"]``.
+
+Difference from vLLM's ExampleHiddenStatesConnector (which fails on CPU: CUDA streams, CUDA
+events, pinned memory): the blocks are gathered with plain indexing and copied to host memory
+synchronously (``.to("cpu")``, ordered after the forward on the current stream on CUDA, a no-op
+on CPU), and only the disk write runs in a thread pool. No lock files: the atomic rename is the
+completion signal, and the client polls for the file.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionMetadata
+from vllm.v1.core.sched.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so that vLLM's log config shows it
+
+
+@dataclass
+class PendingSave:
+    req_id: str
+    filename: str
+    token_ids: torch.Tensor  # [T] int64, CPU
+    block_ids: list[int]
+
+
+@dataclass
+class Eagle3HiddenStatesMetadata(KVConnectorMetadata):
+    """Scheduler -> worker: the requests whose hidden states are to be written this step."""
+
+    pending_saves: list[PendingSave] = field(default_factory=list)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """Rows of a [num_blocks, num_layers, block_size, H] buffer for one request -> [T, num_layers, H].
+
+    Same slot arithmetic as CacheOnlyAttentionLayer's writer (``basic_cache``).
+    """
+    block_size = cache.shape[2]
+    blocks = torch.tensor(block_ids, dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[:num_tokens]
+    slots = slots.to(cache.device)
+    return cache[slots // block_size, :, slots % block_size]
+
+
+def write_atomic(tensors: dict[str, torch.Tensor], filename: str) -> None:
+    """Write to ``filename.tmp`` then rename: readers never see a partial file."""
+    tmp = filename + ".tmp"
+    save_file(tensors, tmp)
+    os.replace(tmp, filename)
+
+
+class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
+    """Store-only connector: on request finish, write its hidden states to one safetensors file.
+
+    Use with ``speculative_config.method = "extract_hidden_states"``, ``kv_role = "kv_producer"``,
+    ``kv_connector_extra_config = {"shared_storage_path": DIR}`` (optional ``num_writer_threads``).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != "extract_hidden_states":
+            raise ValueError("Eagle3HiddenStatesConnector needs speculative_config.method='extract_hidden_states'")
+        self._group_id = self._hidden_state_group(kv_cache_config)
+        self._storage_path = str(self._kv_transfer_config.get_from_extra_config("shared_storage_path", "/tmp"))
+        os.makedirs(self._storage_path, exist_ok=True)
+        # scheduler side
+        self._pending: dict[str, PendingSave] = {}
+        self._scheduled: set[str] = set()
+        # worker side
+        self._cache: torch.Tensor | None = None
+        self._is_writer = True  # TP rank 0 only; set in register_kv_caches (after distributed init)
+        self._saved: set[str] = set()  # copied to host, not yet reported
+        self._writes: dict[str, Future] = {}
+        threads = int(self._kv_transfer_config.get_from_extra_config("num_writer_threads", 4))
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eagle3-hs-write")
+        logger.info("Eagle3HiddenStatesConnector (%s): writing to %s", role.name, self._storage_path)
+
+    @staticmethod
+    def _hidden_state_group(kv_cache_config: "KVCacheConfig | None") -> int:
+        """Index of the KV cache group holding the hidden-states buffer (the target's layers are another)."""
+        if kv_cache_config is None:
+            return 0
+        from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+        groups = kv_cache_config.kv_cache_groups
+        ids = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+        if len(ids) == 1:
+            return ids[0]
+        if not ids and len(groups) == 1:
+            return 0
+        raise ValueError(f"cannot identify the hidden-states KV cache group among {len(groups)} groups")
+
+    def get_finished_count(self) -> int:
+        """Only TP rank 0 writes, so one ``finished_sending`` per request (the default waits for all ranks)."""
+        return 1
+
+    # ---------------- worker side ----------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        self._is_writer = get_tensor_model_parallel_rank() == 0
+        layers = get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
+        if len(layers) != 1:
+            raise ValueError(f"expected one CacheOnlyAttentionLayer, found {list(layers)}")
+        self._cache = kv_caches[next(iter(layers))]
+        if self._cache.dim() != 4:
+            raise ValueError(f"hidden-states buffer has shape {tuple(self._cache.shape)}, expected 4 dims")
+        logger.info("hidden-states buffer %s %s on %s", tuple(self._cache.shape), self._cache.dtype,
+                    self._cache.device)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass  # store-only
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # store-only
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        pass  # the CacheOnlyAttentionLayer already wrote the buffer; we read it when the request finishes
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def _save(self, pending: PendingSave) -> None:
+        """Copy the request's rows to host memory now (blocks are freed once we report), write later."""
+        assert self._cache is not None, "register_kv_caches was not called"
+        hidden = gather_blocks(self._cache, pending.block_ids, int(pending.token_ids.shape[0]))
+        hidden = hidden.to("cpu").contiguous()  # synchronous: the buffer may be reused after we report
+        tensors = {"hidden_states": hidden, "token_ids": pending.token_ids.clone()}
+        future = self._executor.submit(write_atomic, tensors, pending.filename)
+        self._writes[pending.req_id] = future
+        future.add_done_callback(lambda f, rid=pending.req_id: self._write_done(rid, f))
+        self._saved.add(pending.req_id)
+
+    def _write_done(self, req_id: str, future: Future) -> None:
+        self._writes.pop(req_id, None)
+        if future.exception() is not None:
+            logger.error("hidden-states write failed for %s: %r", req_id, future.exception())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Copy out the requests that finished last step; report them as sent once copied."""
+        if self._is_writer and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, Eagle3HiddenStatesMetadata):
+                for pending in meta.pending_saves:
+                    self._save(pending)
+        # A request's pending save and its id in finished_req_ids arrive in the same step (both
+        # come from the scheduler freeing it); a finished id with no save (aborted) is dropped.
+        done = finished_req_ids & self._saved
+        self._saved -= done
+        return done or None, None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)  # let pending writes land
+
+    # ---------------- scheduler side ----------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False  # never loads
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self._scheduled.add(new_req.req_id)
+        meta = Eagle3HiddenStatesMetadata(pending_saves=list(self._pending.values()))
+        self._pending.clear()
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks until the worker copied them; tell the client where the file will be."""
+        req_id = request.request_id
+        if req_id not in self._scheduled:
+            return False, None  # aborted before it ever ran: nothing to save
+        self._scheduled.discard(req_id)
+        if request.prompt_token_ids is None:
+            logger.warning("request %s has no prompt_token_ids (prompt embeds): not saved", req_id)
+            return False, None
+        filename = os.path.join(self._storage_path, f"{req_id}.safetensors")
+        token_ids = torch.tensor(list(request.prompt_token_ids), dtype=torch.long)
+        self._pending[req_id] = PendingSave(req_id, filename, token_ids, list(block_ids))
+        return True, {"hidden_states_path": filename}
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        if not 0 <= self._group_id < len(block_ids):
+            return False, None
+        return self.request_finished(request, block_ids[self._group_id])
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "LBNHC"  # as the reference connector: one token's layers together

@@ -1,0 +1,147 @@
+"""Extract stage: sequences and masks, the HF backend against transformers, storage, resume, errors."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle3.extract.inputs import build_example, iter_examples
+from eagle3.extract.runner import TokenizerMismatch, extract
+from eagle3.extract.storage import HiddenStateDataset, Sample, ShardWriter, dequantize_fp8, quantize_fp8
+from eagle3.generate.storage import iter_samples
+from tests.conftest import gen_cfg
+
+pytestmark = pytest.mark.vllm  # gen_dir comes from the real vLLM server
+
+
+def test_mask_covers_exactly_the_assistant_tokens(gen_dir, smol_model):
+    tok = AutoTokenizer.from_pretrained(smol_model)
+    for s in iter_samples(gen_dir):
+        ex = build_example(s)
+        n_prompt = len(s["prompt_token_ids"])
+        assert ex.loss_mask == [0] * n_prompt + [1] * len(s["completion_token_ids"])
+        prompt_text = tok.decode(ex.input_ids[:n_prompt])
+        assert prompt_text.endswith("<|im_start|>assistant\n") and "<|im_start|>user" in prompt_text
+        masked = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
+        assert masked.startswith(s["content"][:10]) and "<|im_start|>" not in masked
+        if s["finish_reason"] == "stop":
+            assert masked.endswith("<|im_end|>")  # the end-of-turn token carries loss
+
+
+def test_mask_with_think_tokens():
+    """A template that opens <think>: reasoning, </think>, answer and end token carry loss; <think> does not."""
+    sample = {"id": "x", "prompt_token_ids": [1, 520, 9531, 198, 15, 198], "completion_token_ids": [44, 45, 16, 46, 2]}
+    ex = build_example(sample)
+    assert ex.input_ids == [1, 520, 9531, 198, 15, 198, 44, 45, 16, 46, 2]
+    assert ex.loss_mask == [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
+
+
+def test_truncation_policy(gen_dir):
+    cut = [x for x in iter_examples(gen_dir, max_seq_len=40, truncation="truncate") if not isinstance(x, tuple)]
+    assert cut and all(len(x.input_ids) <= 40 for x in cut) and any(x.truncated_from for x in cut)
+    skipped = [x for x in iter_examples(gen_dir, max_seq_len=40, truncation="skip") if isinstance(x, tuple)]
+    assert skipped and all("> max_seq_len 40" in reason for _, reason in skipped)
+
+
+def test_hf_backend_matches_transformers(gen_dir, smol_model, tmp_path):
+    cfg = gen_cfg(tmp_path, "extract.token_budget=256")
+    m = extract(cfg, gen_dir, tmp_path / "extract", str(smol_model))
+    assert m["samples"] == 8 and m["aux_layers"] == [2, 15, 27] and m["tokenizer_fingerprint"]
+    assert m["bytes_per_token"] == pytest.approx(2 * (3 * 576 + 576) + 9, abs=2)  # bf16 states + ids/mask
+    ds = HiddenStateDataset(tmp_path / "extract", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(smol_model, dtype=torch.float32).eval()
+    worst = 0.0
+    for i in range(len(ds)):
+        s = ds[i]
+        with torch.inference_mode():
+            hs = ref(s.input_ids[None], output_hidden_states=True).hidden_states
+        want_aux = torch.cat([hs[k][0] for k in (2, 15, 27)], dim=-1)
+        # HF's last hidden state is after the final norm; ours is before it
+        want_final_normed = hs[-1][0]
+        got_final_normed = ref.model.norm(s.final)
+        for got, want in ((s.aux, want_aux), (got_final_normed, want_final_normed)):
+            rel = ((got - want).norm() / want.norm()).item()
+            worst = max(worst, rel)
+    assert worst < 8e-3, f"relative error {worst:.2e} (bf16 storage rounds at ~4e-3)"
+
+
+def test_fp8_storage_is_half_the_bytes_and_close(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(100, 64) * torch.logspace(-2, 2, 100)[:, None]  # rows of very different scales
+    q, scale = quantize_fp8(x)
+    rel = ((dequantize_fp8(q, scale, torch.float32) - x).norm(dim=-1) / x.norm(dim=-1)).max().item()
+    assert q.dtype == torch.float8_e4m3fn and rel < 0.05
+    sizes = {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        w = ShardWriter(tmp_path / dtype, dtype, samples_per_shard=4)
+        for i in range(4):
+            w.add(Sample(f"s{i}", torch.arange(50), torch.ones(50, dtype=torch.bool), torch.randn(50, 96), torch.randn(50, 32)))
+        w.flush()
+        sizes[dtype] = w.bytes_written
+        back = HiddenStateDataset(tmp_path / dtype)[2]
+        assert back.id == "s2" and back.aux.shape == (50, 96) and back.final.dtype == torch.bfloat16
+    assert sizes["float8_e4m3fn"] < 0.6 * sizes["bfloat16"]
+
+
+def test_nan_samples_skipped_and_resume_by_id(gen_dir, smol_model, tmp_path, monkeypatch):
+    import eagle3.extract.hf_backend as hf
+
+    real = hf.forward_states
+    poisoned = {}
+
+    def poison(model, tap, seqs, device, pad_id=0):
+        outs = real(model, tap, seqs, device, pad_id)
+        if not poisoned:
+            aux, final = outs[0]
+            final = final.clone()
+            final[0, 0] = float("nan")
+            outs[0] = (aux, final)
+            poisoned["seq"] = seqs[0]
+        return outs
+
+    monkeypatch.setattr(hf, "forward_states", poison)
+    cfg = gen_cfg(tmp_path, "extract.samples_per_shard=3", "extract.chunk_samples=4")
+    out = tmp_path / "extract"
+    m = extract(cfg, gen_dir, out, str(smol_model))
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    assert m["samples"] == 7 and m["this_run"]["nonfinite"] == 1
+    assert [e["reason"] for e in errors] == ["non-finite hidden states (NaN/inf)"]
+    # resume: a rerun stores only what is missing (the poisoned sample, now clean)
+    monkeypatch.setattr(hf, "forward_states", real)
+    (out / ".hidden-00009.safetensors.tmp").write_bytes(b"half a shard")  # left by a killed run
+    m2 = extract(cfg, gen_dir, out, str(smol_model))
+    assert m2["samples"] == 8 and m2["this_run"]["resumed_from"] == 7 and m2["this_run"]["stored"] == 1
+    assert not list(out.glob(".*.tmp"))
+    ds = HiddenStateDataset(out)
+    assert len(set(ds.ids)) == 8
+
+
+def test_reader_batches_respect_the_budget(gen_dir, smol_model, tmp_path):
+    cfg = gen_cfg(tmp_path)
+    extract(cfg, gen_dir, tmp_path / "extract", str(smol_model))
+    ds = HiddenStateDataset(tmp_path / "extract")
+    batches = list(ds.batches(token_budget=200, seed=1))
+    assert sorted(i for b in batches for i in b) == list(range(len(ds)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(ds.length(i) for i in b) <= 200
+    assert batches != list(ds.batches(token_budget=200, seed=2)) or len(batches) < 3
+
+
+def test_tokenizer_mismatch_is_a_clear_error(gen_dir, smol_model, tmp_path):
+    fake = tmp_path / "gen"
+    fake.mkdir()
+    for f in gen_dir.iterdir():
+        (fake / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((fake / "manifest.json").read_text())
+    manifest["tokenizer_fingerprint"] = "0123456789abcdef"
+    (fake / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TokenizerMismatch, match="differs from 0123456789abcdef"):
+        extract(gen_cfg(tmp_path), fake, tmp_path / "extract", str(smol_model))
+
+
+def test_generate_fingerprint_matches_local_tokenizer(gen_dir, smol_model):
+    from eagle3.fingerprint import local_fingerprint
+
+    recorded = json.loads((gen_dir / "manifest.json").read_text())["tokenizer_fingerprint"]
+    assert recorded == local_fingerprint(AutoTokenizer.from_pretrained(smol_model))
