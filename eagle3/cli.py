@@ -229,6 +229,27 @@ def extract(
                f"{manifest['bytes_per_token']} bytes/token ({manifest['storage_dtype']}), layers {manifest['aux_layers']}")
 
 
+@app.command()
+def vocab(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    extract_dir: Annotated[Optional[Path], typer.Option(help="Extract output (default: <run dir>/extract).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/vocab).")] = None,
+) -> None:
+    """Draft vocabulary (d2t/t2d) from the loss-carrying tokens of the training data."""
+    from eagle3.vocab import vocab_stage
+
+    cfg = _load(config, set_)
+    out = out or cfg.paths.stage_dir("vocab")
+    try:
+        m = vocab_stage(extract_dir or cfg.paths.stage_dir("extract"), out, cfg.target.vocab_size,
+                        cfg.vocab.draft_vocab_size, {"target": cfg.target.model})
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    typer.echo(f"{out}/vocab.safetensors: draft vocab {m['draft_vocab_size']} covers {m['coverage']:.2%} of "
+               f"{m['loss_tokens']} loss tokens ({m['distinct']} distinct, {m['padded']} padded)")
+
+
 def _tokenizer_path(cfg: PipelineConfig) -> str | None:
     """Tokenizer used only to rebuild token ids a server did not return."""
     if cfg.target.tokenizer:

@@ -332,3 +332,34 @@ def plot_coverage(curve: list[tuple[int, float]], path: Path, chosen: int | None
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     _atomic_write(Path(path), buf.getvalue())
+
+
+def vocab_stage(extract_dir: Path, out_dir: Path, target_vocab_size: int, draft_vocab_size: int,
+                metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pipeline's vocab stage: count loss tokens of the stored training data, build and save
+    the mapping (``vocab.safetensors``), a coverage curve (JSON + PNG) and a manifest."""
+    from eagle3.extract.storage import iter_token_masks
+    from eagle3.generate.storage import write_json_atomic
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = count_tokens(iter_token_masks(extract_dir), target_vocab_size)
+    m = build_vocab(counts, draft_vocab_size)
+    save_vocab(m, out_dir / "vocab.safetensors", metadata)
+    sizes = sorted({s for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, 65536, draft_vocab_size)
+                    if s <= target_vocab_size})
+    curve = coverage_curve(counts, sizes)
+    plot_coverage(curve, out_dir / "coverage.png", chosen=draft_vocab_size)
+    manifest = {
+        "stage": "vocab",
+        "extract_dir": str(extract_dir),
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": target_vocab_size,
+        "loss_tokens": int(counts.sum()),
+        "distinct": m.distinct,
+        "padded": m.padded,
+        "coverage": round(m.coverage, 6),
+        "coverage_curve": [{"size": s, "coverage": round(c, 6)} for s, c in curve],
+    }
+    write_json_atomic(out_dir / "manifest.json", manifest)
+    return manifest

@@ -3,8 +3,8 @@
     python -m flows.hero_run --config configs/smollm2-cpu.yaml [--set section.field=value ...]
 
 Works without a Prefect server (Prefect starts a temporary one). Stages so far:
-prepare-model -> serve -> smoke chat -> generate; later stages (extract, vocab, train,
-verify) plug in after it.
+prepare-model -> serve -> smoke chat -> generate -> (server stopped) -> extract -> vocab;
+later stages (train, verify) plug in after them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3.config import load_config
+from tasks.extract import extract_task
 from tasks.generate import generate_task
 from tasks.prepare_model import prepare_model_task
 from tasks.serve import smoke_chat_task, start_server_task, stop_server_task
+from tasks.vocab import vocab_task
 
 SMOKE_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -37,6 +39,8 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
                             tokenizer_path=model if cfg.target.is_embedded else cfg.target.tokenizer)
     finally:
         stop_server_task(server)
+    ext = extract_task(cfg, str(cfg.paths.stage_dir("generate")), str(cfg.paths.stage_dir("extract")), model)
+    voc = vocab_task(cfg, str(cfg.paths.stage_dir("extract")), str(cfg.paths.stage_dir("vocab")))
     summary = {
         "profile": cfg.name,
         "model": model,
@@ -44,6 +48,10 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
         "smoke_chat": {"prompt": SMOKE_PROMPT, **answer.to_dict()},
         "generate": {"dir": str(cfg.paths.stage_dir("generate")), "totals": gen["totals"],
                      "this_run": gen["this_run"]},
+        "extract": {"dir": str(cfg.paths.stage_dir("extract")), "samples": ext["samples"], "tokens": ext["tokens"],
+                    "bytes_per_token": ext["bytes_per_token"], "aux_layers": ext["aux_layers"]},
+        "vocab": {"dir": str(cfg.paths.stage_dir("vocab")), "coverage": voc["coverage"],
+                  "draft_vocab_size": voc["draft_vocab_size"]},
     }
     cfg.paths.run_dir.mkdir(parents=True, exist_ok=True)
     out = cfg.paths.run_dir / "hero-run.json"
@@ -58,6 +66,9 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
             f"{answer.latency_s:.2f} s)\n"
             f"- generate: {gen['totals']['samples']} samples, {gen['totals']['completion_tokens']} completion tokens, "
             f"{gen['this_run']['completion_tokens_per_s']} tok/s this run; errors {gen['totals']['errors_by_kind']}\n"
+            f"- extract: {ext['samples']} samples, {ext['tokens']} tokens, layers {ext['aux_layers']}, "
+            f"{ext['bytes_per_token']} bytes/token\n"
+            f"- vocab: {voc['draft_vocab_size']} draft ids cover {voc['coverage']:.2%} of loss tokens\n"
         ),
     )
     return summary
@@ -75,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     gen = summary["generate"]
     print(f"generate: {gen['totals']['samples']} samples in {gen['dir']} "
           f"({gen['this_run']['completion_tokens_per_s']} tok/s this run)")
+    print(f"extract: {summary['extract']['samples']} samples, {summary['extract']['tokens']} tokens; "
+          f"vocab: {summary['vocab']['draft_vocab_size']} ids cover {summary['vocab']['coverage']:.2%}")
 
 
 if __name__ == "__main__":

@@ -145,3 +145,19 @@ def test_generate_fingerprint_matches_local_tokenizer(gen_dir, smol_model):
 
     recorded = json.loads((gen_dir / "manifest.json").read_text())["tokenizer_fingerprint"]
     assert recorded == local_fingerprint(AutoTokenizer.from_pretrained(smol_model))
+
+
+def test_vocab_stage_counts_loss_tokens(gen_dir, smol_model, tmp_path):
+    from collections import Counter
+
+    from eagle3.vocab import draft_to_target, load_vocab, vocab_stage
+
+    cfg = gen_cfg(tmp_path)
+    extract(cfg, gen_dir, tmp_path / "extract", str(smol_model))
+    m = vocab_stage(tmp_path / "extract", tmp_path / "vocab", 49152, 64)
+    counts = Counter(t for s in iter_samples(gen_dir) for t in s["completion_token_ids"])
+    assert m["loss_tokens"] == sum(counts.values()) and m["distinct"] == len(counts)
+    v = load_vocab(tmp_path / "vocab" / "vocab.safetensors")
+    top = {t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:64]}
+    assert set(draft_to_target(v.d2t).tolist()) == top
+    assert (tmp_path / "vocab" / "coverage.png").stat().st_size > 1000

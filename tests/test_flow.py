@@ -32,4 +32,7 @@ def test_hero_run_flow(prefect_backend, vllm_server, tmp_path):
     gen = summary["generate"]
     assert gen["totals"]["samples"] == 4 and gen["this_run"]["counts"]["generated"] == 4
     assert (tmp_path / "smollm2-cpu" / "generate" / "manifest.json").exists()
+    assert summary["extract"]["samples"] == 4 and summary["extract"]["aux_layers"] == [2, 15, 27]
+    assert 0 < summary["vocab"]["coverage"] <= 1
+    assert (tmp_path / "smollm2-cpu" / "vocab" / "vocab.safetensors").exists()
     assert vllm_server.base_url  # the shared server is still there: external runs never stop it

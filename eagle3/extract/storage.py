@@ -167,3 +167,12 @@ class HiddenStateDataset:
         if shuffle:
             random.Random(seed).shuffle(batches)
         yield from batches
+
+
+def iter_token_masks(root: Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, loss_mask) of every stored sample, without touching the hidden states."""
+    for shard in sorted(Path(root).glob("hidden-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as h:
+            ids, mask, offsets = h.get_tensor("input_ids"), h.get_tensor("loss_mask"), h.get_tensor("offsets")
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            yield ids[a:b], mask[a:b]
