@@ -250,6 +250,24 @@ def vocab(
                f"{m['loss_tokens']} loss tokens ({m['distinct']} distinct, {m['padded']} padded)")
 
 
+@app.command("make-tiny-target")
+def make_tiny_target(
+    kind: Annotated[str, typer.Argument(help="deepseek-v3")],
+    config: ConfigOpt = Path("configs/smollm2-cpu.yaml"),
+    out: Annotated[Optional[Path], typer.Option(help="Folder (default: <cache>/models/tiny-<kind>).")] = None,
+) -> None:
+    """Build a tiny random-weight target of an architecture family that cannot run here (tokenizer: SmolLM2)."""
+    from eagle3.embedded import prepare_model
+    from eagle3.tiny import make_tiny_deepseek_v3
+
+    if kind != "deepseek-v3":
+        _fail(f"unknown kind {kind!r}; known: deepseek-v3")
+    cfg = _load(config, [])
+    smol = prepare_model(cfg.paths.cache_dir, "smollm2-135m-instruct")
+    path = make_tiny_deepseek_v3(out or cfg.paths.cache_dir / "models" / f"tiny-{kind}", tokenizer_from=smol)
+    typer.echo(str(path))
+
+
 def _tokenizer_path(cfg: PipelineConfig) -> str | None:
     """Tokenizer used only to rebuild token ids a server did not return."""
     if cfg.target.tokenizer:

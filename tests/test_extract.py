@@ -161,3 +161,26 @@ def test_vocab_stage_counts_loss_tokens(gen_dir, smol_model, tmp_path):
     top = {t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:64]}
     assert set(draft_to_target(v.d2t).tolist()) == top
     assert (tmp_path / "vocab" / "coverage.png").stat().st_size > 1000
+
+
+def test_hf_backend_on_a_tiny_deepseek_v3(gen_dir, smol_model, tmp_path):
+    """The Kimi architecture family (MLA + MoE) through the HF backend: a tiny random DeepseekV3."""
+    from eagle3.config import ConfigError
+    from eagle3.tiny import make_tiny_deepseek_v3
+
+    tiny = make_tiny_deepseek_v3(tmp_path / "tiny-dsv3", tokenizer_from=smol_model)
+    target = [f"target.model={tiny}", "target.num_hidden_layers=6", "target.hidden_size=256",
+              "target.architecture=deepseek_v3"]
+    with pytest.raises(ConfigError, match=r"extract.aux_layers \[2, 3, 3\] must be distinct"):
+        gen_cfg(tmp_path, *target)  # the default (2, N//2, N-3) collides on 6 layers
+    cfg = gen_cfg(tmp_path, *target, "extract.aux_layers=[1, 3, 4]")
+    m = extract(cfg, gen_dir, tmp_path / "extract", str(tiny))
+    assert m["samples"] == 8 and m["bytes_per_token"] == pytest.approx(2 * 4 * 256 + 9, abs=2)
+    ds = HiddenStateDataset(tmp_path / "extract", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    s = ds[0]
+    with torch.inference_mode():
+        hs = ref(s.input_ids[None], output_hidden_states=True).hidden_states
+    want = torch.cat([hs[k][0] for k in (1, 3, 4)], dim=-1)
+    assert ((s.aux - want).norm() / want.norm()).item() < 8e-3
+    assert ((ref.model.norm(s.final) - hs[-1][0]).norm() / hs[-1][0].norm()).item() < 8e-3

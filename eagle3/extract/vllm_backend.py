@@ -73,8 +73,8 @@ def extract_server_config(cfg: PipelineConfig, storage_dir: Path) -> PipelineCon
         "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir), separators=(",", ":")),
         "--no-enable-prefix-caching",
     ]
-    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), s.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p)
-    env = {**s.env, "PYTHONPATH": pythonpath}
+    inherited = s.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env = {**s.env, "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), inherited) if p)}
     return cfg.model_copy(update={"serve": s.model_copy(update={"extra_args": extra, "env": env})})
 
 

@@ -62,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -184,8 +185,9 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def _save(self, pending: PendingSave) -> None:
         """Copy the request's rows to host memory now (blocks are freed once we report), write later."""
         assert self._cache is not None, "register_kv_caches was not called"
-        hidden = gather_blocks(self._cache, pending.block_ids, int(pending.token_ids.shape[0]))
-        hidden = hidden.to("cpu").contiguous()  # synchronous: the buffer may be reused after we report
+        with gpu_sync_allowed():  # a deliberate device->host sync (only policed with VLLM_GPU_SYNC_CHECK)
+            hidden = gather_blocks(self._cache, pending.block_ids, int(pending.token_ids.shape[0]))
+            hidden = hidden.to("cpu").contiguous()  # synchronous: the blocks are reused once we report
         tensors = {"hidden_states": hidden, "token_ids": pending.token_ids.clone()}
         future = self._executor.submit(write_atomic, tensors, pending.filename)
         self._writes[pending.req_id] = future
@@ -250,4 +252,6 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return "LBNHC"  # as the reference connector: one token's layers together
+        # As the reference connector. Only a preference: the CPU platform overrides it with LBHNC,
+        # and reads stay right because they index the same logical view the writer indexes.
+        return "LBNHC"
