@@ -182,6 +182,7 @@ class ExtractConfig(_Section):
     chunk_samples: int = Field(512, gt=0, description="samples read and bucketed at once")
     device: str = "auto"
     dtype: str = Field("auto", description="compute dtype: auto = bf16 on CUDA, float32 on CPU")
+    vllm_concurrency: int = Field(8, gt=0, description="vllm backend: requests in flight")
 
 
 class VocabConfig(_Section):

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -97,17 +97,33 @@ def forward_states(model: Any, tap: LayerTap, seqs: list[list[int]], device: tor
     return [(aux[i, : len(s)].cpu(), final[i, : len(s)].cpu()) for i, s in enumerate(seqs)]
 
 
-def extract_hf(model_path: str, examples: list[Any], aux_layers: list[int], token_budget: int,
-               device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False
+def chunks(items: Iterable[Any], n: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for x in items:
+        chunk.append(x)
+        if len(chunk) >= n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def extract_hf(model_path: str, examples: Iterable[Any], aux_layers: list[int], token_budget: int,
+               chunk_samples: int = 512, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False
                ) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor]]:
-    """Yield (example, aux [T, 3H], final [T, H]) for each example (any order: batched by length)."""
+    """Yield (example, aux [T, 3H], final [T, H]) for each example.
+
+    Examples are read ``chunk_samples`` at a time (memory stays bounded) and length-bucketed
+    within a chunk, so they come back in a different order than they went in.
+    """
     dev = pick_device(device)
     model = load_base_model(model_path, dev, pick_dtype(dtype, dev), trust_remote_code)
     tap = LayerTap(model, aux_layers)
     try:
-        for batch in token_budget_batches([len(e.input_ids) for e in examples], token_budget):
-            outs = forward_states(model, tap, [examples[i].input_ids for i in batch], dev)
-            for i, (aux, final) in zip(batch, outs):
-                yield examples[i], aux, final
+        for chunk in chunks(examples, chunk_samples):
+            for batch in token_budget_batches([len(e.input_ids) for e in chunk], token_budget):
+                outs = forward_states(model, tap, [chunk[i].input_ids for i in batch], dev)
+                for i, (aux, final) in zip(batch, outs):
+                    yield chunk[i], aux, final
     finally:
         tap.remove()

@@ -2,7 +2,7 @@
 
     manifest = extract(cfg, generate_dir, out_dir, model_path)
 
-Reads the generate shards in chunks (memory stays bounded for any dataset size), skips
+Reads the generate shards lazily (memory stays bounded for any dataset size), skips
 samples already stored (resume by sample id), runs the configured backend, drops samples
 with NaN/inf states (recorded in errors.jsonl with the reason), and writes a manifest with
 the target, tokenizer fingerprint, layer ids and their convention, dtype, counts and bytes/token.
@@ -49,17 +49,6 @@ def check_fingerprint(generate_manifest: dict[str, Any], model_path: str, cfg: P
     return mine
 
 
-def _chunks(items: Iterator[Any], n: int) -> Iterator[list[Any]]:
-    chunk: list[Any] = []
-    for x in items:
-        chunk.append(x)
-        if len(chunk) >= n:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
 def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: str,
             on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     e = cfg.extract
@@ -77,39 +66,51 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     def record_error(sid: str, reason: str) -> None:
         errors.append({"id": sid, "reason": reason, "time": time.time()})
 
-    def states(chunk: list[Example]) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
+    def states(examples: Iterator[Example]) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
         if e.backend == "hf":
             from eagle3.extract.hf_backend import extract_hf
 
-            yield from extract_hf(model_path, chunk, layers, e.token_budget, e.device, e.dtype,
+            yield from extract_hf(model_path, examples, layers, e.token_budget, e.chunk_samples, e.device, e.dtype,
                                   cfg.target.trust_remote_code)
-        else:
-            raise NotImplementedError("the vLLM backend is wired in through eagle3.extract.vllm_backend")
+            return
+        from eagle3.extract.vllm_backend import extract_vllm
+
+        # one server for the whole run; layer N (= num_hidden_layers) is the final pre-norm state
+        waiting: dict[str, Example] = {}
+
+        def requests() -> Iterator[tuple[str, list[int]]]:
+            for ex in examples:
+                waiting[ex.id] = ex
+                yield ex.id, ex.input_ids
+
+        n = cfg.target.num_hidden_layers
+        for sid, hidden in extract_vllm(cfg, model_path, requests(), [*layers, n], out_dir / "vllm-work",
+                                        concurrency=e.vllm_concurrency):
+            ex = waiting.pop(sid)
+            yield ex, hidden[:, : len(layers)].flatten(1), hidden[:, len(layers)]
+
+    def examples() -> Iterator[Example]:
+        for item in iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids):
+            if isinstance(item, tuple):
+                record_error(*item)
+                counts["skipped"] += 1
+            else:
+                yield item
 
     try:
-        for chunk in _chunks(iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids),
-                             e.chunk_samples):
-            good = []
-            for item in chunk:
-                if isinstance(item, tuple):
-                    record_error(*item)
-                    counts["skipped"] += 1
-                else:
-                    good.append(item)
-            for ex, aux, final in states(good):
-                if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-                    record_error(ex.id, "non-finite hidden states (NaN/inf)")
-                    counts["nonfinite"] += 1
-                    continue
-                if ex.truncated_from:
-                    record_error(ex.id, f"truncated from {ex.truncated_from} to {len(ex.input_ids)} tokens")
-                    counts["truncated"] += 1
-                writer.add(Sample(ex.id, torch.tensor(ex.input_ids), torch.tensor(ex.loss_mask, dtype=torch.bool),
-                                  aux, final))
-                counts["stored"] += 1
-                if on_progress:
-                    on_progress(resumed_from + counts["stored"], total)
-            writer.flush()  # a chunk is the resume unit
+        for ex, aux, final in states(examples()):
+            if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+                record_error(ex.id, "non-finite hidden states (NaN/inf)")
+                counts["nonfinite"] += 1
+                continue
+            if ex.truncated_from:
+                record_error(ex.id, f"truncated from {ex.truncated_from} to {len(ex.input_ids)} tokens")
+                counts["truncated"] += 1
+            writer.add(Sample(ex.id, torch.tensor(ex.input_ids), torch.tensor(ex.loss_mask, dtype=torch.bool),
+                              aux, final))  # a full shard is written as soon as it fills: the resume unit
+            counts["stored"] += 1
+            if on_progress:
+                on_progress(resumed_from + counts["stored"], total)
     finally:
         errors.close()
     writer.flush()
