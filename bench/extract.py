@@ -62,8 +62,23 @@ def bare_forward(model, batches, seqs, device) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def backend(model, batches, seqs, device, aux_layers, storage_dtype) -> tuple[float, float]:
-    out = Path(tempfile.mkdtemp(prefix="bench-extract-"))
+def disk_write_rate(root: str | None, mb: int = 2048) -> float:
+    """Sequential write + fsync rate of the output disk (bytes/s): the ceiling for storing states."""
+    path = Path(tempfile.mkdtemp(prefix="bench-disk-", dir=root)) / "blob"
+    block = os.urandom(1 << 20) * 64
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(mb // 64):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    rate = mb * (1 << 20) / (time.perf_counter() - t0)
+    path.unlink()
+    return rate
+
+
+def backend(model, batches, seqs, device, aux_layers, storage_dtype, root: str | None = None) -> tuple[float, float]:
+    out = Path(tempfile.mkdtemp(prefix="bench-extract-", dir=root))
     writer = ShardWriter(out, storage_dtype, samples_per_shard=64)
     tap = LayerTap(model, aux_layers)
     tokens = 0
@@ -74,7 +89,7 @@ def backend(model, batches, seqs, device, aux_layers, storage_dtype) -> tuple[fl
             n = len(seqs[i])
             writer.add(Sample(f"s{i}", torch.tensor(seqs[i]), torch.ones(n, dtype=torch.bool), aux, final))
             tokens += n
-    writer.flush()
+    writer.close()
     sync(device)
     rate = tokens / (time.perf_counter() - t0)
     tap.remove()
@@ -115,6 +130,8 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--random-llama-8b", action="store_true")
+    ap.add_argument("--out-root", default=None, help="where shards are written (default: the temp dir)")
+    ap.add_argument("--also-out-root", default=None, help="a second location to compare, e.g. /dev/shm")
     args = ap.parse_args()
     device = pick_device("auto")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, device {device}"
@@ -140,13 +157,22 @@ def main() -> None:
           f"{len(batches)} batches under a {args.token_budget}-token budget; aux layers {aux}")
     bare_forward(model, batches[:1], seqs, device)  # warm-up
     bare = max(bare_forward(model, batches, seqs, device) for _ in range(args.repeats))
-    runs = [backend(model, batches, seqs, device, aux, "bfloat16") for _ in range(args.repeats)]
+    runs = [backend(model, batches, seqs, device, aux, "bfloat16", args.out_root) for _ in range(args.repeats)]
     rate, bpt_bf16 = max(runs)
-    _, bpt_fp8 = backend(model, batches, seqs, device, aux, "float8_e4m3fn")
+    rate_fp8, bpt_fp8 = backend(model, batches, seqs, device, aux, "float8_e4m3fn", args.out_root)
+    disk = disk_write_rate(args.out_root)
     print(f"bare forward     {bare:10.1f} tok/s")
     print(f"HF backend       {rate:10.1f} tok/s  -> backend/bare = {rate / bare:.3f} (goal >= 0.90)")
+    print(f"HF backend fp8   {rate_fp8:10.1f} tok/s  -> backend/bare = {rate_fp8 / bare:.3f}")
     print(f"storage          bf16 {bpt_bf16:.0f} bytes/token, fp8 {bpt_fp8:.0f} bytes/token "
           f"(fp8/bf16 = {bpt_fp8 / bpt_bf16:.3f}; H = {cfg.hidden_size}, 4H states per token)")
+    print(f"output disk      {disk / 1e6:.0f} MB/s write+fsync -> at most {disk / bpt_bf16:.0f} tok/s in bf16, "
+          f"{disk / bpt_fp8:.0f} tok/s in fp8")
+    if args.also_out_root:
+        r2, _ = max(backend(model, batches, seqs, device, aux, "bfloat16", args.also_out_root)
+                    for _ in range(args.repeats))
+        print(f"HF backend -> {args.also_out_root}: {r2:10.1f} tok/s -> backend/bare = {r2 / bare:.3f} "
+              f"(storage on {args.also_out_root}: what the stage costs when the disk is not the limit)")
     result = {"bare_tok_s": bare, "backend_tok_s": rate, "ratio": rate / bare, "bytes_per_token_bf16": bpt_bf16,
               "bytes_per_token_fp8": bpt_fp8}
     if device.type == "cuda":

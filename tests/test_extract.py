@@ -77,7 +77,7 @@ def test_fp8_storage_is_half_the_bytes_and_close(tmp_path):
         w = ShardWriter(tmp_path / dtype, dtype, samples_per_shard=4)
         for i in range(4):
             w.add(Sample(f"s{i}", torch.arange(50), torch.ones(50, dtype=torch.bool), torch.randn(50, 96), torch.randn(50, 32)))
-        w.flush()
+        w.close()
         sizes[dtype] = w.bytes_written
         back = HiddenStateDataset(tmp_path / dtype)[2]
         assert back.id == "s2" and back.aux.shape == (50, 96) and back.final.dtype == torch.bfloat16

@@ -111,9 +111,15 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
             counts["stored"] += 1
             if on_progress:
                 on_progress(resumed_from + counts["stored"], total)
+    except BaseException:
+        try:
+            writer.close()  # keep the complete samples already computed: a rerun resumes after them
+        except Exception:
+            pass
+        raise
     finally:
         errors.close()
-    writer.flush()
+    writer.close()
     tokens = sum(v[2] for v in writer.index.values())
     shard_bytes = sum((out_dir / s).stat().st_size for s in writer.shards)
     manifest = {

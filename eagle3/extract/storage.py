@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,11 @@ class ShardWriter:
         for stray in self.root.glob(".hidden-*.tmp"):
             stray.unlink()  # a shard that was being written when a run died
         self._buf: list[Sample] = []
+        self._queued: set[str] = set()  # ids handed to the writer thread, not yet in the index
+        # One writer thread: packing and writing a shard (GBs for a large target) overlaps the
+        # next forward passes instead of stalling the GPU. One shard in flight at most.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+        self._inflight: Future | None = None
         self.tokens_written = 0
         self.bytes_written = 0
 
@@ -78,11 +84,12 @@ class ShardWriter:
         return set(self.index)
 
     def add(self, s: Sample) -> None:
-        if s.id in self.index or any(b.id == s.id for b in self._buf):
+        if s.id in self.index or s.id in self._queued:
             return
         self._buf.append(s)
+        self._queued.add(s.id)
         if len(self._buf) >= self.per_shard:
-            self.flush()
+            self.flush(wait=False)
 
     def _pack(self, name: str, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
         if self.dtype == "float8_e4m3fn":
@@ -91,34 +98,50 @@ class ShardWriter:
         else:
             tensors[name] = x.to(torch.bfloat16)
 
-    def flush(self) -> None:
-        if not self._buf:
-            return
-        name = f"hidden-{len(self.shards):05d}.safetensors"
-        lengths = [len(s) for s in self._buf]
+    def flush(self, wait: bool = True) -> None:
+        """Write the buffered samples as one shard (in the writer thread); ``wait`` for it to land."""
+        if self._buf:
+            self._wait()
+            name = f"hidden-{len(self.shards):05d}.safetensors"
+            self.shards.append(name)
+            buf, self._buf = self._buf, []
+            self._inflight = self._pool.submit(self._write, name, buf)
+        if wait:
+            self._wait()
+
+    def _wait(self) -> None:
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            fut.result()  # re-raise a failed write (e.g. disk full) in the caller
+
+    def close(self) -> None:
+        self.flush(wait=True)
+        self._pool.shutdown()
+
+    def _write(self, name: str, buf: list[Sample]) -> None:
+        lengths = [len(s) for s in buf]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
         tensors = {
-            "input_ids": torch.cat([s.input_ids.long() for s in self._buf]),
-            "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in self._buf]),
+            "input_ids": torch.cat([s.input_ids.long() for s in buf]),
+            "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in buf]),
             "offsets": offsets,
         }
-        self._pack("aux", torch.cat([s.aux for s in self._buf]), tensors)
-        self._pack("final", torch.cat([s.final for s in self._buf]), tensors)
+        self._pack("aux", torch.cat([s.aux for s in buf]), tensors)
+        self._pack("final", torch.cat([s.final for s in buf]), tensors)
         tmp = self.root / f".{name}.tmp"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"ids": json.dumps([s.id for s in self._buf]), "storage_dtype": self.dtype})
+                  metadata={"ids": json.dumps([s.id for s in buf]), "storage_dtype": self.dtype})
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         tmp.replace(self.root / name)
         fsync_dir(self.root)
-        for i, s in enumerate(self._buf):
+        for i, s in enumerate(buf):
             self.index[s.id] = [name, i, len(s)]
+            self._queued.discard(s.id)
         write_json_atomic(self.index_path, self.index)
-        self.shards.append(name)
         self.tokens_written += int(offsets[-1])
         self.bytes_written += (self.root / name).stat().st_size
-        self._buf = []
 
 
 class HiddenStateDataset:
