@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--random-llama-8b", action="store_true")
     ap.add_argument("--out-root", default=None, help="where shards are written (default: the temp dir)")
     ap.add_argument("--also-out-root", default=None, help="a second location to compare, e.g. /dev/shm")
+    ap.add_argument("--vllm", action="store_true", help="also the vLLM backend (CPU profile, its own server)")
     args = ap.parse_args()
     device = pick_device("auto")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, device {device}"
@@ -186,7 +187,33 @@ def main() -> None:
               f"({flops_per_token / 1e9:.1f} GFLOP/token) -> backend at {rate / floor:.1%} of the floor, "
               f"bare at {bare / floor:.1%}")
         result |= {"matmul_tflops": peak / 1e12, "floor_tok_s": floor, "backend_vs_floor": rate / floor}
+    if args.vllm:
+        result["vllm_tok_s"] = bench_vllm(seqs, aux)
     print(json.dumps(result))
+
+
+def bench_vllm(seqs: list[list[int]], aux: list[int]) -> float:
+    """The vLLM backend on the same sequences: tokens/s after the first result (server start excluded)."""
+    from eagle3.config import load_config
+    from eagle3.embedded import prepare_model
+    from eagle3.extract.vllm_backend import extract_vllm
+
+    cfg = load_config(ROOT / "configs" / "smollm2-cpu.yaml", ["serve.port=0"])
+    model = str(prepare_model(cfg.paths.cache_dir, cfg.target.embedded_name))
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    lengths = {f"s{i}": len(s) for i, s in enumerate(seqs)}
+    for sid, _ in extract_vllm(cfg, model, ((f"s{i}", s) for i, s in enumerate(seqs)),
+                               [*aux, cfg.target.num_hidden_layers], Path(tempfile.mkdtemp(prefix="bench-vllm-"))):
+        if first is None:
+            first = time.perf_counter()
+        else:
+            tokens += lengths[sid]
+    rate = tokens / (time.perf_counter() - first)
+    print(f"vLLM backend     {rate:10.1f} tok/s after a {first - t0:.1f} s server start "
+          f"(bf16 in vLLM's CPU kernels; {len(seqs)} sequences, concurrency 8)")
+    return rate
 
 
 if __name__ == "__main__":

@@ -110,9 +110,9 @@ def bench_client(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=96)
+    ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--levels", default="1,8,32,64,128")
+    ap.add_argument("--levels", default="8,32,64,128")
     ap.add_argument("--profile-prompts", type=int, default=32)
     ap.add_argument("--client-requests", type=int, default=20000)
     ap.add_argument("--skip-vllm", action="store_true")
