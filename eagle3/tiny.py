@@ -59,20 +59,17 @@ def make_tiny_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, **over
                               pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
-    # The real checkpoints carry a float32 routing-bias per MoE layer (noaux_tc); vLLM expects it.
-    state = model.state_dict()
-    for i in range(config.first_k_dense_replace, config.num_hidden_layers):
-        key = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
-        state[key] = torch.zeros(config.n_routed_experts, dtype=torch.float32)
+    # The real checkpoints carry a float32 routing bias per MoE layer (noaux_tc); vLLM expects it.
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias = module.e_score_correction_bias.float()
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    config.torch_dtype = "bfloat16"
-    config.save_pretrained(tmp)
+    # save_pretrained, not a raw state_dict: transformers 5 holds the experts fused
+    # (mlp.experts.gate_up_proj [E, 2I, H]) but saves them back per expert
+    # (mlp.experts.{i}.{gate,up,down}_proj.weight), the layout of the real checkpoints and the
+    # only one vLLM's DeepseekV2 loader reads; transformers fuses them again on load.
+    model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "eagle3-tiny.json").write_text(json.dumps({"kind": "deepseek_v3", "seed": seed, "settings": settings}))
     shutil.rmtree(out, ignore_errors=True)

@@ -31,6 +31,7 @@ from eagle3.fingerprint import server_fingerprint
 from eagle3.generate.client import EndpointPool, Exhausted, Rejected, RetryPolicy, chat_request, make_pool
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
 from eagle3.generate.storage import ShardStore, iter_samples, latest_errors, write_json_atomic
+from eagle3.serving.client import reasoning_of
 
 
 class ServerUnavailable(RuntimeError):
@@ -60,11 +61,6 @@ class Progress:
             return None
         rate = self.done / max(self.elapsed, 1e-9)
         return max(self.total - self.done - self.failed - self.skipped, 0) / rate
-
-
-def reasoning_of(message: dict[str, Any]) -> str | None:
-    """vLLM >= 0.16 sends ``reasoning``; older servers ``reasoning_content``. Accept both."""
-    return message.get("reasoning") or message.get("reasoning_content") or None
 
 
 def build_record(prompt: Prompt, resp: dict[str, Any], endpoint: str, attempts: int, latency: float,

@@ -30,14 +30,10 @@ class ChatResult:
         return asdict(self)
 
 
-def reasoning_of(message: Any) -> str | None:
-    """vLLM >= 0.16 returns `reasoning`; older servers `reasoning_content`. Accept both."""
-    extra = getattr(message, "model_extra", None) or {}
-    for key in ("reasoning", "reasoning_content"):
-        value = getattr(message, key, None) or extra.get(key)
-        if value:
-            return value
-    return None
+def reasoning_of(message: dict[str, Any]) -> str | None:
+    """vLLM >= 0.16 sends ``reasoning``; older servers ``reasoning_content``. Accept both: reading
+    the wrong one silently lost all the thinking in the seed run."""
+    return message.get("reasoning") or message.get("reasoning_content") or None
 
 
 async def achat(
@@ -68,7 +64,7 @@ async def achat(
     return ChatResult(
         model=resp.model,
         content=choice.message.content or "",
-        reasoning=reasoning_of(choice.message),
+        reasoning=reasoning_of(choice.message.model_dump()),
         finish_reason=choice.finish_reason,
         prompt_token_ids=list(extra.get("prompt_token_ids") or []),
         completion_token_ids=list((choice.model_extra or {}).get("token_ids") or []),
