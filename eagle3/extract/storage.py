@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eagle3.batching import token_budget_batches
 from eagle3.generate.storage import fsync_dir, write_json_atomic
@@ -91,12 +91,13 @@ class ShardWriter:
         if len(self._buf) >= self.per_shard:
             self.flush(wait=False)
 
-    def _pack(self, name: str, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    def _blocks(self, name: str, xs: list[torch.Tensor], pieces: dict[str, list[torch.Tensor]]) -> None:
+        """Per-sample row blocks of one stored tensor (fp8: quantised per row, with scales)."""
         if self.dtype == "float8_e4m3fn":
-            q, scale = quantize_fp8(x)
-            tensors[name], tensors[f"{name}_scale"] = q, scale
+            qs = [quantize_fp8(x) for x in xs]
+            pieces[name], pieces[f"{name}_scale"] = [q for q, _ in qs], [sc for _, sc in qs]
         else:
-            tensors[name] = x.to(torch.bfloat16)
+            pieces[name] = [x.to(torch.bfloat16) for x in xs]
 
     def flush(self, wait: bool = True) -> None:
         """Write the buffered samples as one shard (in the writer thread); ``wait`` for it to land."""
@@ -122,18 +123,15 @@ class ShardWriter:
         lengths = [len(s) for s in buf]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
-        tensors = {
-            "input_ids": torch.cat([s.input_ids.long() for s in buf]),
-            "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in buf]),
-            "offsets": offsets,
+        pieces: dict[str, list[torch.Tensor]] = {
+            "input_ids": [s.input_ids.long() for s in buf],
+            "loss_mask": [s.loss_mask.to(torch.uint8) for s in buf],
+            "offsets": [offsets],
         }
-        self._pack("aux", torch.cat([s.aux for s in buf]), tensors)
-        self._pack("final", torch.cat([s.final for s in buf]), tensors)
+        self._blocks("aux", [s.aux for s in buf], pieces)
+        self._blocks("final", [s.final for s in buf], pieces)
         tmp = self.root / f".{name}.tmp"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"ids": json.dumps([s.id for s in buf]), "storage_dtype": self.dtype})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        write_safetensors_blocks(tmp, pieces, {"ids": json.dumps([s.id for s in buf]), "storage_dtype": self.dtype})
         tmp.replace(self.root / name)
         fsync_dir(self.root)
         for i, s in enumerate(buf):
@@ -142,6 +140,38 @@ class ShardWriter:
         write_json_atomic(self.index_path, self.index)
         self.tokens_written += int(offsets[-1])
         self.bytes_written += (self.root / name).stat().st_size
+
+
+_ST_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8",
+             torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def write_safetensors_blocks(path: Path, pieces: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> None:
+    """Write a safetensors file whose tensors are given as lists of row blocks (joined along dim 0
+    on disk), without joining them in memory.
+
+    ``safetensors.torch.save_file`` needs each tensor whole and copies it again into bytes: for a
+    shard of a large target that is GBs of copies, under the GIL, on the host that also drives the
+    GPU. Here each block is written straight from its memory (the write releases the GIL).
+    """
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, blocks in pieces.items():
+        rows = sum(b.shape[0] for b in blocks)
+        nbytes = sum(b.numel() * b.element_size() for b in blocks)
+        header[key] = {"dtype": _ST_DTYPE[blocks[0].dtype], "shape": [rows, *blocks[0].shape[1:]],
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for blocks in pieces.values():
+            for b in blocks:
+                f.write(memoryview(b.contiguous().view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class HiddenStateDataset:
