@@ -297,5 +297,42 @@ def render_unit_cmd(
         typer.echo(text, nl=False)
 
 
+
+@app.command()
+def train(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    extract_dir: Annotated[Optional[Path], typer.Option(help="Extract output (default: <run dir>/extract).")] = None,
+    vocab_file: Annotated[Optional[Path], typer.Option(help="Default: <run dir>/vocab/vocab.safetensors.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/train).")] = None,
+) -> None:
+    """Train the EAGLE-3 draft (TTT unroll) on the stored hidden states; export it for vLLM."""
+    from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.train import TrainingDiverged, train as run_train
+
+    cfg = _load(config, set_)
+    out = out or cfg.paths.stage_dir("train")
+
+    def progress(p: dict) -> None:
+        if p["step"] % 10 == 0 or p["step"] == p["total_steps"]:
+            top1 = " ".join(f"{s['correct'] / max(s['count'], 1):.2f}" for s in p["steps"])
+            loss = "nan (skipped)" if p["loss"] is None else f"{p['loss']:.4f}"
+            typer.echo(f"  step {p['step']}/{p['total_steps']} epoch {p['epoch'] + 1} lr {p['lr']:.2e} "
+                       f"loss {loss} top1/step {top1}")
+
+    try:
+        target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)
+        if not Path(target_dir).is_dir():
+            _fail(f"target {target_dir!r} is not a local folder: train reads its norm/lm_head from the checkpoint")
+        m = run_train(cfg, extract_dir or cfg.paths.stage_dir("extract"),
+                      vocab_file or cfg.paths.stage_dir("vocab") / "vocab.safetensors", target_dir, out,
+                      on_progress=progress)
+    except (EmbeddedModelError, TrainingDiverged, ValueError, KeyError, FileNotFoundError) as e:
+        _fail(str(e))
+    final = m["final"] or {}
+    typer.echo(f"{m['export']}: {m['steps']} steps ({m['skipped_nan']} skipped), final top-1 per step "
+               f"{[round(x, 3) for x in final.get('top1', []) if x is not None]}")
+
+
 if __name__ == "__main__":
     app()

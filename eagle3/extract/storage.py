@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections import deque
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
@@ -73,9 +74,10 @@ class ShardWriter:
         self._buf: list[Sample] = []
         self._queued: set[str] = set()  # ids handed to the writer thread, not yet in the index
         # One writer thread: packing and writing a shard (GBs for a large target) overlaps the
-        # next forward passes instead of stalling the GPU. One shard in flight at most.
+        # next forward passes instead of stalling the GPU. Up to two shards queued (bounded memory);
+        # one thread keeps shards and index updates in order.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
-        self._inflight: Future | None = None
+        self._inflight: deque[Future] = deque()
         self.tokens_written = 0
         self.bytes_written = 0
 
@@ -102,18 +104,18 @@ class ShardWriter:
     def flush(self, wait: bool = True) -> None:
         """Write the buffered samples as one shard (in the writer thread); ``wait`` for it to land."""
         if self._buf:
-            self._wait()
+            self._wait(keep=1)
             name = f"hidden-{len(self.shards):05d}.safetensors"
             self.shards.append(name)
             buf, self._buf = self._buf, []
-            self._inflight = self._pool.submit(self._write, name, buf)
+            self._inflight.append(self._pool.submit(self._write, name, buf))
         if wait:
-            self._wait()
+            self._wait(keep=0)
 
-    def _wait(self) -> None:
-        if self._inflight is not None:
-            fut, self._inflight = self._inflight, None
-            fut.result()  # re-raise a failed write (e.g. disk full) in the caller
+    def _wait(self, keep: int) -> None:
+        """Wait until at most ``keep`` writes are pending; re-raise a failed write (e.g. disk full)."""
+        while len(self._inflight) > keep:
+            self._inflight.popleft().result()
 
     def close(self) -> None:
         self.flush(wait=True)

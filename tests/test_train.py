@@ -1,0 +1,252 @@
+"""Train stage on CPU: a synthetic tiny Llama target folder, a synthetic hidden-state dataset."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import config_from_dict
+from eagle3.extract.storage import HiddenStateDataset, Sample, ShardWriter
+from eagle3.train import (TrainingDiverged, load_target_head, make_batch, step_inputs, target_distribution, train,
+                          ttt_mask)
+from eagle3.vocab import build_vocab, count_tokens, save_vocab
+
+H, V, TOKENS, DRAFT_V = 64, 512, 64, 80
+
+
+def make_target(root: Path, seed: int = 0) -> tuple[Path, torch.Tensor]:
+    root.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(V, H, generator=g)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": V,
+           "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "rope_theta": 10000.0,
+           "hidden_act": "silu"}
+    (root / "config.json").write_text(json.dumps(cfg))
+    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.full((H,), 0.15)},
+              str(root / "model.safetensors"))
+    return root, embed
+
+
+def g_map(x: torch.Tensor) -> torch.Tensor:
+    return (5 * x + 3) % TOKENS
+
+
+def make_data(root: Path, embed: torch.Tensor, n: int = 32, seed: int = 0, nan_ids: tuple[int, ...] = (),
+              lengths: list[int] | None = None) -> Path:
+    """final[u] = E[g(x_u)]: the target's next-token distribution is a function of the token at u."""
+    g = torch.Generator().manual_seed(seed)
+    w = ShardWriter(root, samples_per_shard=8)
+    for i in range(n):
+        t = lengths[i] if lengths else int(torch.randint(20, 40, (1,), generator=g))
+        ids = torch.randint(0, TOKENS, (t,), generator=g)
+        mask = torch.ones(t, dtype=torch.bool)
+        mask[:4] = False
+        aux = torch.randn(t, 3 * H, generator=g)
+        if i in nan_ids:
+            aux[3] = float("nan")
+        w.add(Sample(f"s{i:03d}", ids, mask, aux, embed[g_map(ids)].clone()))
+    w.close()
+    return root
+
+
+def make_vocab(extract_dir: Path, path: Path) -> Path:
+    from eagle3.extract.storage import iter_token_masks
+
+    counts = count_tokens(((ids.tolist(), m.tolist()) for ids, m in iter_token_masks(extract_dir)), V)
+    save_vocab(build_vocab(counts, DRAFT_V), path)
+    return path
+
+
+def make_cfg(**train):
+    base = dict(epochs=2, lr=3e-3, warmup_ratio=0.1, ttt_steps=2, token_budget=256, max_seq_len=64,
+                draft_intermediate_size=128, checkpoint_every_steps=1000)
+    base.update(train)
+    return config_from_dict({
+        "name": "t",
+        "target": {"model": "x", "served_model_name": "x", "num_hidden_layers": 4, "hidden_size": H, "vocab_size": V},
+        "generate": {"dataset": "x"},
+        "extract": {"aux_layers": [1, 2, 3]},
+        "vocab": {"draft_vocab_size": DRAFT_V},
+        "train": base,
+    })
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    target, embed = make_target(tmp / "target")
+    ext = make_data(tmp / "extract", embed)
+    vocab = make_vocab(ext, tmp / "vocab.safetensors")
+    return tmp, target, embed, ext, vocab
+
+
+def test_count_tokens_signature_sanity(setup):
+    _, _, _, ext, vocab = setup
+    from eagle3.vocab import load_vocab
+
+    m = load_vocab(vocab)
+    assert m.draft_vocab_size == DRAFT_V and bool(m.t2d[:TOKENS].all())
+
+
+def test_target_distribution_chunked_and_masked(setup):
+    _, target, embed, _, vocab = setup
+    from eagle3.vocab import load_vocab
+
+    m = load_vocab(vocab)
+    head = load_target_head(target, m.draft_ids, 1e-5)
+    final = torch.cat([embed[[1, 7, 40]], embed[[300, 500]]])  # last two: argmax outside the draft vocab
+    p1, a1 = target_distribution(final, head, chunk=2)
+    p2, a2 = target_distribution(final, head, chunk=256)
+    torch.testing.assert_close(p1, p2)
+    assert torch.equal(a1, a2)
+    assert a1[:3].tolist() == [1, 7, 40] and a1[3:].tolist() == [-1, -1]  # draft ids 0..63 are the first rows
+    torch.testing.assert_close(p1.sum(-1), torch.ones(5))
+    x = final.float() * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + 1e-5) * 0.15
+    ref = torch.softmax((x @ embed.T)[:, m.draft_ids], -1)
+    torch.testing.assert_close(p1, ref)
+
+
+def test_shift_alignment_toy(setup):
+    """x = [10..15], loss mask 0 on the first two tokens; check every step-0 and step-1 pairing."""
+    _, target, embed, _, vocab = setup
+    from eagle3.vocab import load_vocab
+
+    m = load_vocab(vocab)
+    head = load_target_head(target, m.draft_ids, 1e-5)
+    ids = torch.arange(10, 16)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.bool)
+    # target's next token after u: 20+u, except u=3 whose argmax (400) is outside the draft vocab
+    final = embed[torch.tensor([20, 21, 22, 400, 24, 25])]
+    s = Sample("toy", ids, mask, torch.randn(6, 3 * H), final)
+    b = make_batch([s], head, torch.device("cpu"), 64)
+    probs, arg = target_distribution(final, head)
+    assert arg.tolist() == [20, 21, 22, -1, 24, 25]
+    # step 0, position t: input x_{t+1}, target P(f_{t+1}); counted iff t+2 < 6, mask[t+2], arg[t+1] in vocab
+    x0, p0, a0, ok0 = step_inputs(b, 0)
+    assert x0[0].tolist() == [11, 12, 13, 14, 15, 0]
+    torch.testing.assert_close(p0[0, :5], probs[1:6])
+    assert a0[0].tolist() == [21, 22, -1, 24, 25, -1]
+    assert ok0[0].tolist() == [False, True, False, True, False, False]
+    # step 1: one position further: input x_{t+2}, target P(f_{t+2}); t+3 < 6, mask[t+3], arg[t+2] in vocab
+    x1, p1, a1, ok1 = step_inputs(b, 1)
+    assert x1[0].tolist() == [12, 13, 14, 15, 0, 0]
+    torch.testing.assert_close(p1[0, :4], probs[2:6])
+    assert a1[0].tolist() == [22, -1, 24, 25, -1, -1]
+    assert ok1[0].tolist() == [True, False, True, False, False, False]
+
+
+def test_ttt_mask():
+    m = ttt_mask(3, 2)
+    expect = torch.tensor([[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                           [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                           [1, 1, 1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(m, expect)
+
+
+def test_ttt_unroll_matches_per_position_reference(setup):
+    """Step i at position t == one query at RoPE position t+i over step-0 keys 0..t, then its own
+    chain (steps 1..i-1 at t), computed one token at a time with a plain causal KV prefix."""
+    _, target, _, _, vocab = setup
+    from eagle3.model import build_draft
+    from eagle3.train import ttt_unroll
+    from eagle3.vocab import load_vocab
+
+    m = load_vocab(vocab)
+    torch.manual_seed(0)
+    model = build_draft(target, DRAFT_V, [1, 2, 3], intermediate_size=128).eval()
+    head = load_target_head(target, m.draft_ids, 1e-5)
+    g = torch.Generator().manual_seed(1)
+    T = 7
+    s = Sample("a", torch.randint(0, TOKENS, (T,), generator=g), torch.ones(T, dtype=torch.bool),
+               torch.randn(T, 3 * H, generator=g), torch.randn(T, H, generator=g))
+    b = make_batch([s], head, torch.device("cpu"), 64)
+    with torch.no_grad():
+        outs = [(o, lg) for _, o, lg in ttt_unroll(model, b, 3)]
+        _, _, kv0 = model(step_inputs(b, 0)[0], b.aux, use_cache=True)
+        for t in range(T):
+            past = (kv0[0][:, :, : t + 1], kv0[1][:, :, : t + 1])
+            hidden = outs[0][0][:, t : t + 1]
+            for i in (1, 2):
+                ids = step_inputs(b, i)[0][:, t : t + 1]
+                o, lg, kv = model(ids, hidden, position_ids=torch.tensor([t + i]), past_kv=past, use_cache=True)
+                torch.testing.assert_close(o, outs[i][0][:, t : t + 1], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(lg, outs[i][1][:, t : t + 1], atol=1e-5, rtol=1e-5)
+                past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+                hidden = o
+
+
+def test_loss_decreases_and_top1_rises(setup):
+    tmp, target, _, ext, vocab = setup
+    cfg = make_cfg(epochs=8, lr=1e-2, ttt_steps=2)
+    man = train(cfg, ext, vocab, target, tmp / "run-learn")
+    hist = json.loads((tmp / "run-learn" / "metrics.json").read_text())["epochs"]
+    assert len(hist) == 8 and man["steps"] >= 30
+    first, last = hist[0], hist[-1]
+    assert last["loss"][0] < 0.7 * first["loss"][0]
+    assert last["loss"][1] < first["loss"][1]
+    assert last["top1"][0] > first["top1"][0] + 0.3 and last["top1"][0] > 0.6
+    assert (tmp / "run-learn" / "metrics.png").stat().st_size > 0
+    assert json.loads((tmp / "run-learn" / "manifest.json").read_text())["complete"] is True
+
+
+def test_exact_resume(setup):
+    tmp, target, _, ext, vocab = setup
+    cfg = make_cfg(epochs=2, checkpoint_every_steps=2)
+    straight = train(cfg, ext, vocab, target, tmp / "run-a")
+    total = straight["steps"]
+    half = total // 2 + 1  # mid-epoch on purpose
+    part = train(cfg, ext, vocab, target, tmp / "run-b", max_steps=half)
+    assert part["complete"] is False and part["step"] == half
+    rest = train(cfg, ext, vocab, target, tmp / "run-b")
+    assert rest["complete"] and rest["resumed_from_step"] == half and rest["steps"] == total
+    a = load_file(str(tmp / "run-a" / "checkpoints" / "latest" / "model.safetensors"))
+    b = load_file(str(tmp / "run-b" / "checkpoints" / "latest" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
+    oa = load_file(str(tmp / "run-a" / "checkpoints" / "latest" / "optimizer.safetensors"))
+    ob = load_file(str(tmp / "run-b" / "checkpoints" / "latest" / "optimizer.safetensors"))
+    for k in oa:
+        torch.testing.assert_close(oa[k], ob[k], atol=1e-6, rtol=1e-6)
+    ma = json.loads((tmp / "run-a" / "metrics.json").read_text())
+    mb = json.loads((tmp / "run-b" / "metrics.json").read_text())
+    for ea, eb in zip(ma["epochs"], mb["epochs"]):
+        assert ea["top1"] == eb["top1"]
+        assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(ea["loss"], eb["loss"]))
+
+
+def test_export_loads_back(setup):
+    tmp, target, _, ext, vocab = setup
+    from eagle3.export import load_exported
+    from eagle3.vocab import load_vocab
+
+    out = tmp / "run-export"
+    man = train(make_cfg(epochs=1), ext, vocab, target, out)
+    model, d2t, t2d = load_exported(man["export"])
+    m = load_vocab(vocab)
+    assert torch.equal(d2t, m.d2t) and torch.equal(t2d, m.t2d)
+    ck = load_file(str(out / "checkpoints" / "latest" / "model.safetensors"))
+    sd = model.trainable_state_dict()
+    for k, v in ck.items():
+        torch.testing.assert_close(sd[k], v.float(), atol=2e-2, rtol=1e-2)
+    assert model.config.draft_vocab_size == DRAFT_V and model.config.intermediate_size == 128
+
+
+def test_nan_guard_skips_and_stops(tmp_path):
+    target, embed = make_target(tmp_path / "target")
+    lengths = [20 + i for i in range(12)]
+    ext = make_data(tmp_path / "extract", embed, n=12, nan_ids=(3,), lengths=lengths)
+    vocab = make_vocab(ext, tmp_path / "vocab.safetensors")
+    man = train(make_cfg(epochs=1, token_budget=40), ext, vocab, target, tmp_path / "run")  # one sample per batch
+    assert man["skipped_nan"] == 1 and man["updates"] == man["steps"] - 1
+    assert all(math.isfinite(x) for x in json.loads((tmp_path / "run" / "metrics.json").read_text())["epochs"][0]["loss"])
+
+    ext2 = make_data(tmp_path / "extract-nan", embed, n=12, nan_ids=tuple(range(12)), lengths=lengths)
+    with pytest.raises(TrainingDiverged, match="non-finite steps in a row"):
+        train(make_cfg(epochs=1, token_budget=40), ext2, vocab, target, tmp_path / "run-nan")
