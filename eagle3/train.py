@@ -57,6 +57,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.model import DraftConfig, Eagle3Draft, build_draft, load_target_embeddings, load_target_tensor
+from eagle3.generate.storage import write_json_atomic
 from eagle3.vocab import load_vocab
 
 NORM_NAMES = (
@@ -532,7 +533,7 @@ def train(
         "device": str(dev),
         "wall_s": round(time.time() - started, 2),
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    write_json_atomic(out_dir / "manifest.json", manifest)
     return manifest
 
 

@@ -3,8 +3,8 @@
     python -m flows.hero_run --config configs/smollm2-cpu.yaml [--set section.field=value ...]
 
 Works without a Prefect server (Prefect starts a temporary one). Stages so far:
-prepare-model -> serve -> smoke chat -> generate -> (server stopped) -> extract -> vocab;
-later stages (train, verify) plug in after them.
+prepare-model -> serve -> smoke chat -> generate -> (server stopped) -> extract -> vocab -> train;
+verify plugs in after train.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tasks.extract import extract_task
 from tasks.generate import generate_task
 from tasks.prepare_model import prepare_model_task
 from tasks.serve import smoke_chat_task, start_server_task, stop_server_task
+from tasks.train import train_task
 from tasks.vocab import vocab_task
 
 SMOKE_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -41,6 +42,8 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
         stop_server_task(server)
     ext = extract_task(cfg, str(cfg.paths.stage_dir("generate")), str(cfg.paths.stage_dir("extract")), model)
     voc = vocab_task(cfg, str(cfg.paths.stage_dir("extract")), str(cfg.paths.stage_dir("vocab")))
+    trn = train_task(cfg, str(cfg.paths.stage_dir("extract")), str(cfg.paths.stage_dir("vocab") / "vocab.safetensors"),
+                     model, str(cfg.paths.stage_dir("train")))
     summary = {
         "profile": cfg.name,
         "model": model,
@@ -52,6 +55,8 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
                     "bytes_per_token": ext["bytes_per_token"], "aux_layers": ext["aux_layers"]},
         "vocab": {"dir": str(cfg.paths.stage_dir("vocab")), "coverage": voc["coverage"],
                   "draft_vocab_size": voc["draft_vocab_size"]},
+        "train": {"dir": str(cfg.paths.stage_dir("train")), "export": trn["export"], "steps": trn["steps"],
+                  "final_top1": (trn["final"] or {}).get("top1")},
     }
     cfg.paths.run_dir.mkdir(parents=True, exist_ok=True)
     out = cfg.paths.run_dir / "hero-run.json"
@@ -69,6 +74,8 @@ def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | No
             f"- extract: {ext['samples']} samples, {ext['tokens']} tokens, layers {ext['aux_layers']}, "
             f"{ext['bytes_per_token']} bytes/token\n"
             f"- vocab: {voc['draft_vocab_size']} draft ids cover {voc['coverage']:.2%} of loss tokens\n"
+            f"- train: {trn['steps']} steps, final top-1 per TTT step {(trn['final'] or {}).get('top1')}; "
+            f"draft at `{trn['export']}`\n"
         ),
     )
     return summary
@@ -88,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
           f"({gen['this_run']['completion_tokens_per_s']} tok/s this run)")
     print(f"extract: {summary['extract']['samples']} samples, {summary['extract']['tokens']} tokens; "
           f"vocab: {summary['vocab']['draft_vocab_size']} ids cover {summary['vocab']['coverage']:.2%}")
+    t = summary["train"]
+    top1 = [round(x, 3) for x in (t["final_top1"] or []) if x is not None]
+    print(f"train: {t['steps']} steps, final top-1 per TTT step {top1}; draft for vLLM at {t['export']}")
 
 
 if __name__ == "__main__":

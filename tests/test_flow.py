@@ -22,7 +22,7 @@ def test_hero_run_flow(prefect_backend, vllm_server, tmp_path):
     summary = hero_run(
         config=str(CPU_PROFILE),
         overrides=["serve.backend=external", f"serve.base_url={vllm_server.base_url}", f"paths.runs_dir={tmp_path}",
-                   "generate.num_samples=4", "generate.max_tokens=16"],
+                   "generate.num_samples=4", "generate.max_tokens=16", "train.epochs=1", "vocab.draft_vocab_size=256"],
     )
     assert summary["server"]["backend"] == "external" and not summary["server"]["started_here"]
     assert "paris" in summary["smoke_chat"]["content"].lower()
@@ -35,4 +35,6 @@ def test_hero_run_flow(prefect_backend, vllm_server, tmp_path):
     assert summary["extract"]["samples"] == 4 and summary["extract"]["aux_layers"] == [2, 15, 27]
     assert 0 < summary["vocab"]["coverage"] <= 1
     assert (tmp_path / "smollm2-cpu" / "vocab" / "vocab.safetensors").exists()
+    assert summary["train"]["steps"] >= 1
+    assert (tmp_path / "smollm2-cpu" / "train" / "vllm-draft" / "config.json").exists()
     assert vllm_server.base_url  # the shared server is still there: external runs never stop it

@@ -1,0 +1,40 @@
+"""Prefect task around `eagle3.train.train`. A retry resumes from the last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from eagle3.config import PipelineConfig
+from eagle3.train import train
+
+
+@task(name="train", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE, persist_result=False)
+def train_task(cfg: PipelineConfig, extract_dir: str, vocab_path: str, target_dir: str, out_dir: str) -> dict:
+    logger = get_run_logger()
+    artifact = create_progress_artifact(0.0, key="train-progress", description="train: optimizer steps")
+    last = [0.0]
+
+    def progress(p: dict) -> None:
+        if time.monotonic() - last[0] > 10 or p["step"] == p["total_steps"]:
+            last[0] = time.monotonic()
+            update_progress_artifact(artifact, 100.0 * p["step"] / max(p["total_steps"], 1))
+            logger.info("train: step %d/%d loss %s", p["step"], p["total_steps"], p["loss"])
+
+    m = train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress=progress)
+    history = json.loads((Path(out_dir) / "metrics.json").read_text())["epochs"]
+    rows = [{"epoch": e["epoch"], "loss per step": str([round(x, 4) for x in e["loss"] if x is not None]),
+             "top-1 per step": str([round(x, 3) for x in e["top1"] if x is not None])} for e in history]
+    if rows:
+        create_table_artifact(key="train-metrics", table=rows, description="Training metrics per epoch")
+    final = m.get("final") or {}
+    create_markdown_artifact(key="train-summary", markdown=(
+        f"# Draft trained\n\n- steps: {m['steps']} ({m['skipped_nan']} skipped for NaN)\n"
+        f"- final top-1 per TTT step: {final.get('top1')}\n- export: `{m['export']}`\n"
+        f"- plot: `{Path(out_dir) / 'metrics.png'}`\n"))
+    return m
