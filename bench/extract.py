@@ -27,15 +27,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from eagle3.batching import token_budget_batches  # noqa: E402
 from eagle3.extract.hf_backend import LayerTap, forward_states, load_base_model, pick_device  # noqa: E402
+from gpu import matmul_rate, sync  # noqa: E402
 from eagle3.extract.storage import Sample, ShardWriter  # noqa: E402
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def make_sequences(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -94,19 +91,6 @@ def backend(model, batches, seqs, device, aux_layers, storage_dtype, root: str |
     rate = tokens / (time.perf_counter() - t0)
     tap.remove()
     return rate, writer.bytes_written / tokens
-
-
-def matmul_rate(device: torch.device, n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def random_llama_8b(device: torch.device):

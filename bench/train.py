@@ -26,7 +26,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from gpu import matmul_rate, sync  # noqa: E402
 from eagle3.extract.storage import Sample  # noqa: E402
 from eagle3.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.train import TargetHead, make_batch, make_optimizer, ttt_loss  # noqa: E402
@@ -37,24 +39,6 @@ SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, n
 KIMI = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=8, head_dim=112,
             vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168, aux_layer_ids=[2, 30, 58],
             rope_theta=50000.0, rms_norm_eps=1e-6, max_position_embeddings=16384)
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def matmul_rate(dev: torch.device, n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(dev)
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def main() -> None:
