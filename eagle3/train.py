@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from eagle3.extract.storage import HiddenStateDataset

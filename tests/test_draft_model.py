@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3.export import (

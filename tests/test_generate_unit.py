@@ -4,7 +4,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import config_from_dict
-from eagle3.extract.storage import HiddenStateDataset, Sample, ShardWriter
+from eagle3.extract.storage import Sample, ShardWriter
 from eagle3.train import (TrainingDiverged, load_target_head, make_batch, step_inputs, target_distribution, train,
                           ttt_mask)
 from eagle3.vocab import build_vocab, count_tokens, save_vocab
