@@ -51,11 +51,8 @@ def vllm_server(cpu_cfg, smol_model, tmp_path_factory):
     from eagle3.serving.server import start_server
 
     require_vllm(cpu_cfg)
-    server = start_server(cpu_cfg, str(smol_model), log_dir=tmp_path_factory.mktemp("vllm-logs"))
-    try:
+    with start_server(cpu_cfg, str(smol_model), log_dir=tmp_path_factory.mktemp("vllm-logs")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -88,11 +85,8 @@ def think_server(cpu_cfg, think_model, tmp_path_factory):
 
     cfg = load_config(CPU_PROFILE, ["serve.reasoning_parser=deepseek_r1"])
     require_vllm(cfg)
-    server = start_server(cfg, str(think_model), log_dir=tmp_path_factory.mktemp("vllm-think-logs"))
-    try:
+    with start_server(cfg, str(think_model), log_dir=tmp_path_factory.mktemp("vllm-think-logs")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def gen_cfg(tmp_path, *overrides):

@@ -52,6 +52,7 @@ class PromptStats:
     excluded: int = 0
     skipped: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    fingerprint: str = ""  # of the dataset, set when iteration starts
 
 
 class RowError(ValueError):
@@ -213,8 +214,8 @@ def iter_prompts(
     Lazy: rows are parsed as they are reached, so a million-row dataset costs one
     permutation of indices up front, not a million parsed conversations.
     """
-    rows, _ = open_rows(dataset, split)
     stats = stats if stats is not None else PromptStats()
+    rows, stats.fingerprint = open_rows(dataset, split)
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
     seen: set[str] = set()

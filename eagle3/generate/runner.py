@@ -32,6 +32,7 @@ from eagle3.generate.client import EndpointPool, Exhausted, Rejected, RetryPolic
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
 from eagle3.generate.storage import ShardStore, iter_samples, latest_errors, write_json_atomic
 from eagle3.serving.client import reasoning_of
+from eagle3.serving.readiness import auth_headers
 
 
 class ServerUnavailable(RuntimeError):
@@ -118,7 +119,7 @@ async def _tokenize_count(base_url: str, model: str, messages: list[dict[str, st
 
 
 async def _endpoints_alive(pool: EndpointPool, api_key: str | None) -> bool:
-    async with httpx.AsyncClient(timeout=10) as c:
+    async with httpx.AsyncClient(timeout=10, headers=auth_headers(api_key)) as c:
         for ep in pool.endpoints:
             try:
                 if (await c.get(f"{ep.base_url}/health")).status_code == 200:
@@ -300,7 +301,6 @@ def generate(
     resumed_from = len(store.done_ids)
     stats = PromptStats()
     progress = Progress(total=g.num_samples, started=time.monotonic())
-    progress.done = 0
     pool = make_pool(base_urls, api_key=cfg.serve.api_key, timeout_s=g.timeout_s,
                      connect_timeout_s=g.connect_timeout_s, max_connections=window, strategy=g.balancing)
     runner = _Run(cfg, pool, store, progress, make_rebuilder(cfg, tokenizer_path), on_progress)
@@ -319,14 +319,12 @@ def generate(
     if finalize:
         store.finalize()
     wall = time.time() - started
-    from eagle3.generate.prompts import open_rows
-
     manifest = {
         "stage": "generate",
         "target": cfg.target.model,
         "served_model_name": cfg.target.served_model_name,
         "config": g.model_dump(mode="json"),
-        "dataset": {"name": g.dataset, "split": g.split, "fingerprint": open_rows(g.dataset, g.split)[1]},
+        "dataset": {"name": g.dataset, "split": g.split, "fingerprint": stats.fingerprint},
         "endpoints": base_urls,
         "tokenizer_fingerprint": server_fingerprint(base_urls[0], cfg.target.served_model_name,
                                                     g.chat_template_kwargs, cfg.serve.api_key),
