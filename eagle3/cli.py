@@ -254,7 +254,7 @@ def vocab(
 def make_tiny_target(
     kind: Annotated[str, typer.Argument(help="deepseek-v3")],
     config: ConfigOpt = Path("configs/smollm2-cpu.yaml"),
-    out: Annotated[Optional[Path], typer.Option(help="Folder (default: <cache>/models/tiny-<kind>).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder (default: the cache folder of embedded:tiny-<kind>).")] = None,
 ) -> None:
     """Build a tiny random-weight target of an architecture family that cannot run here (tokenizer: SmolLM2)."""
     from eagle3.embedded import prepare_model
@@ -263,8 +263,11 @@ def make_tiny_target(
     if kind != "deepseek-v3":
         _fail(f"unknown kind {kind!r}; known: deepseek-v3")
     cfg = _load(config, [])
-    smol = prepare_model(cfg.paths.cache_dir, "smollm2-135m-instruct")
-    path = make_tiny_deepseek_v3(out or cfg.paths.cache_dir / "models" / f"tiny-{kind}", tokenizer_from=smol)
+    if out is None:  # the embedded target's cache folder (what `embedded:tiny-deepseek-v3` resolves to)
+        path = prepare_model(cfg.paths.cache_dir, f"tiny-{kind}")
+    else:
+        smol = prepare_model(cfg.paths.cache_dir, "smollm2-135m-instruct")
+        path = make_tiny_deepseek_v3(out, tokenizer_from=smol)
     typer.echo(str(path))
 
 
@@ -332,6 +335,71 @@ def train(
     final = m["final"] or {}
     typer.echo(f"{m['export']}: {m['steps']} steps ({m['skipped_nan']} skipped), final top-1 per step "
                f"{[round(x, 3) for x in final.get('top1', []) if x is not None]}")
+
+
+@app.command()
+def verify(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    draft: Annotated[Optional[Path], typer.Option(help="Exported draft (default: <run dir>/train/vllm-draft).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/verify).")] = None,
+) -> None:
+    """Baseline server vs target + draft: acceptance (vLLM counters), speedup, greedy match, gate."""
+    from rich.progress import Progress
+
+    from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.verify import GateFailed, verify as run_verify
+    from eagle3.verify.workload import WorkloadError
+
+    cfg = _load(config, set_)
+    draft = draft or cfg.paths.stage_dir("train") / "vllm-draft"
+    out = out or cfg.paths.stage_dir("verify")
+    n_conv = cfg.verify.num_prompts or 80
+    try:
+        model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
+        with Progress(transient=False) as bar:
+            tasks: dict[tuple[str, int], int] = {}
+
+            def progress(label: str, c: int, done: int) -> None:
+                key = (label, c)
+                if key not in tasks:
+                    tasks[key] = bar.add_task(f"{label} c={c}", total=n_conv * cfg.verify.turns)
+                bar.update(tasks[key], completed=done)
+
+            r = run_verify(cfg, model, draft, out, log=bar.console.print, on_progress=progress)
+    except GateFailed as e:
+        _fail(str(e))
+    except (EmbeddedModelError, WorkloadError, ValueError, FileNotFoundError, RuntimeError) as e:
+        _fail(str(e))
+    typer.echo((out / "report.md").read_text())
+
+
+@app.command("estimate-acceptance")
+def estimate_acceptance(
+    draft: Annotated[Path, typer.Argument(help="Exported draft folder (vLLM format).")],
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    generate_dir: Annotated[Optional[Path], typer.Option(help="Sequences to score (default: <run dir>/generate).")] = None,
+    k: Annotated[int, typer.Option(help="Draft tokens per chain.")] = 3,
+    max_sequences: Annotated[int, typer.Option()] = 32,
+) -> None:
+    """Acceptance in PyTorch alone (target + draft, greedy chains) on generated samples: a quick
+    check without a server. Best on held-out greedy samples; on training samples it is optimistic."""
+    from eagle3.embedded import resolve_model
+    from eagle3.generate.storage import iter_samples
+    from eagle3.verify import offline_acceptance
+
+    cfg = _load(config, set_)
+    model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
+    seqs = []
+    for s in iter_samples(generate_dir or cfg.paths.stage_dir("generate")):
+        seqs.append((s["prompt_token_ids"], s["completion_token_ids"]))
+        if len(seqs) >= max_sequences:
+            break
+    if not seqs:
+        _fail("no generated samples to score")
+    r = offline_acceptance(model, draft, seqs, k)
+    typer.echo(json.dumps(r, indent=2))
 
 
 if __name__ == "__main__":

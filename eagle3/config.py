@@ -42,8 +42,27 @@ class PathsConfig(_Section):
     def run_dir(self) -> Path:
         return self.runs_dir / self.run_name
 
-    def stage_dir(self, stage: str) -> Path:
+    def stage_root(self, stage: str) -> Path:
+        """``<run dir>/<stage>``: holds one folder per artifact key and the ``latest`` pointer."""
         return self.run_dir / stage
+
+    def artifact_dir(self, stage: str, key: str) -> Path:
+        """The content-addressed folder of one artifact (see eagle3/artifacts.py)."""
+        return self.stage_root(stage) / key
+
+    def stage_dir(self, stage: str) -> Path:
+        """The stage's latest artifact (``<stage>/latest``, resolved) if there is one, else the stage root.
+
+        Stages without keyed artifacts (serve logs) simply get their root."""
+        link = self.stage_root(stage) / "latest"
+        if link.is_symlink() and link.exists():
+            return link.resolve()
+        return self.stage_root(stage)
+
+    @property
+    def results_dir(self) -> Path:
+        """Prefect's cached task results (small JSON) for this run: they live and die with the artifacts."""
+        return self.run_dir / ".prefect-results"
 
 
 class TargetConfig(_Section):
@@ -200,6 +219,9 @@ class TrainConfig(_Section):
     token_budget: int = Field(8192, gt=0)
     max_seq_len: int = Field(2048, gt=0)
     seed: int = 0
+    draft_arch: Literal["auto", "llama", "mla"] = Field(
+        "auto", description="llama: one Llama layer (vLLM LlamaForCausalLMEagle3); mla: one DeepSeek MLA layer "
+        "(vLLM Eagle3DeepseekV2ForCausalLM); auto: mla for deepseek_v3/kimi_k25 targets, else llama.")
     draft_num_attention_heads: int | None = None
     draft_num_key_value_heads: int | None = None
     draft_intermediate_size: int | None = None
@@ -207,13 +229,37 @@ class TrainConfig(_Section):
 
 
 class VerifyConfig(_Section):
+    """Baseline server vs speculative server on the same workload; the gate decides promotion."""
+
     num_speculative_tokens: int = Field(3, ge=1)
-    workload: str = "mt_bench"
+    workload: str = Field("mt_bench", description="'mt_bench' (80 two-turn questions) or a prompt file "
+                          "(jsonl/json with 'turns' lists or a 'prompt'/'text' field).")
+    num_prompts: int | None = Field(None, gt=0, description="Use the first N conversations (None: all).")
+    turns: int = Field(2, ge=1, description="Turns per conversation; turn 2 follows the model's own turn-1 answer.")
     max_tokens: int = Field(256, gt=0)
-    temperature: float = Field(0.0, ge=0)
+    temperature: float = Field(0.0, ge=0, description="0: greedy (outputs of both servers must match).")
+    seed: int = 0
     concurrency: list[int] = Field(default_factory=lambda: [1, 8])
+    warmup_requests: int = Field(2, ge=0)
+    timeout_s: float = Field(600, gt=0)
     min_acceptance_length: float = Field(1.0, ge=1)
-    max_regression: float = Field(0.05, ge=0, lt=1)
+    max_regression: float = Field(0.05, ge=0, lt=1, description="Fail if acceptance length is more than this "
+                                  "fraction below the last promoted draft's (same workload and k).")
+    max_mismatch_fraction: float | None = Field(None, ge=0, le=1, description="Greedy only: fail when more "
+                                                "than this fraction of outputs differ (None: report only).")
+    promote: bool = Field(True, description="Copy a draft that passes the gate to runs_dir/promoted/<profile>.")
+    offline_estimate: bool = Field(True, description="Also estimate acceptance in PyTorch (target + draft) "
+                                   "on the baseline's own outputs, and report its difference from vLLM's.")
+    offline_max_sequences: int = Field(32, gt=0)
+    speculative_base_url: str | None = Field(None, description="external backend: the speculative server.")
+    speculative_unit: str | None = Field(None, description="systemd backend: the unit serving target + draft.")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(c < 1 for c in v):
+            raise ValueError("verify.concurrency must be a non-empty list of positive ints")
+        return v
 
 
 class PipelineConfig(_Section):
@@ -234,15 +280,27 @@ class PipelineConfig(_Section):
         n = self.target.num_hidden_layers
         return list(self.extract.aux_layers) if self.extract.aux_layers is not None else [2, n // 2, n - 3]
 
+    @property
+    def draft_arch(self) -> Literal["llama", "mla"]:
+        """train.draft_arch resolved: "auto" is mla for DeepSeek/Kimi-family (MLA) targets, else llama."""
+        if self.train.draft_arch != "auto":
+            return self.train.draft_arch
+        return "mla" if self.target.architecture in ("deepseek_v3", "kimi_k25") else "llama"
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "PipelineConfig":
         layers = self.aux_layers
         n = self.target.num_hidden_layers
+        hint = ""
+        if self.extract.aux_layers is None:  # the default does not fit very shallow targets
+            example = [1, n // 2, n - 2] if n >= 5 else list(range(max(0, n - 3), n))
+            hint = (f"; these are the default (2, N//2, N-3), which does not fit a {n}-layer target: set "
+                    f"extract.aux_layers to distinct layer ids in [0, {n}), e.g. {example}")
         if len(set(layers)) != len(layers):
-            raise ValueError(f"extract.aux_layers {layers} must be distinct (target has {n} layers)")
+            raise ValueError(f"extract.aux_layers {layers} must be distinct (target has {n} layers){hint}")
         bad = [k for k in layers if not 0 <= k < n]
         if bad:
-            raise ValueError(f"extract.aux_layers {bad} outside the target's {n} layers")
+            raise ValueError(f"extract.aux_layers {bad} outside the target's {n} layers{hint}")
         if self.vocab.draft_vocab_size > self.target.vocab_size:
             raise ValueError(
                 f"vocab.draft_vocab_size {self.vocab.draft_vocab_size} exceeds target.vocab_size {self.target.vocab_size}"

@@ -106,3 +106,19 @@ def gen_dir(vllm_server, tmp_path_factory) -> Path:
     cfg = gen_cfg(root, "generate.num_samples=8", "generate.max_tokens=40", "generate.concurrency=8")
     generate(cfg, [vllm_server.base_url], root / "generate")
     return root / "generate"
+
+
+@pytest.fixture(scope="session")
+def trained_draft(gen_dir, smol_model, tmp_path_factory) -> Path:
+    """The train stage's own vLLM export, trained briefly on the real generated data (8 samples)."""
+    from eagle3.extract.runner import extract
+    from eagle3.train import train
+    from eagle3.vocab import vocab_stage
+
+    root = tmp_path_factory.mktemp("trained")
+    cfg = gen_cfg(root, "train.epochs=2", "train.lr=1e-3", "train.token_budget=512")
+    extract(cfg, gen_dir, root / "extract", str(smol_model))
+    vocab_stage(root / "extract", root / "vocab", 49152, 512)
+    m = train(cfg, root / "extract", root / "vocab" / "vocab.safetensors", smol_model, root / "train")
+    assert m["complete"] and m["steps"] > 0
+    return Path(m["export"])

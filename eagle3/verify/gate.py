@@ -1,0 +1,103 @@
+"""The gate, and promotion of a draft that passes it.
+
+Promoted drafts of a profile live in ``<runs_dir>/promoted/<profile>/``::
+
+    drafts/<UTC time>-<key>/     a copy of the exported draft (config.json, model.safetensors)
+    latest -> drafts/...         symlink, replaced atomically
+    latest.json                  what was promoted: acceptance length, workload, k, report path
+    history.jsonl                one line per promotion
+
+"Not worse than the last promoted draft" compares acceptance lengths only when the workload,
+``num_speculative_tokens`` and temperature are the same; otherwise the comparison is reported
+as not applicable (an acceptance length on another workload says nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3.generate.storage import write_json_atomic
+
+
+class GateFailed(RuntimeError):
+    """The draft did not pass the verify gate; it was not promoted."""
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    checks: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def promoted_dir(runs_dir: Path, profile: str) -> Path:
+    return Path(runs_dir) / "promoted" / profile
+
+
+def last_promoted(runs_dir: Path, profile: str) -> dict[str, Any] | None:
+    p = promoted_dir(runs_dir, profile) / "latest.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def comparable(prev: dict[str, Any], cur: dict[str, Any]) -> bool:
+    keys = ("workload_fingerprint", "num_speculative_tokens", "temperature", "max_tokens")
+    return all(prev.get(k) == cur.get(k) for k in keys)
+
+
+def evaluate_gate(acceptance_length: float | None, conditions: dict[str, Any], prev: dict[str, Any] | None, *,
+                  min_acceptance_length: float, max_regression: float, mismatch_fraction: float | None = None,
+                  max_mismatch_fraction: float | None = None) -> GateResult:
+    reasons: list[str] = []
+    checks: dict[str, Any] = {"min_acceptance_length": min_acceptance_length, "max_regression": max_regression}
+    if acceptance_length is None:
+        reasons.append("no speculative drafts were counted (vllm:spec_decode_num_drafts did not move): "
+                       "is speculative decoding on?")
+    elif acceptance_length < min_acceptance_length:
+        reasons.append(f"acceptance length {acceptance_length:.3f} < minimum {min_acceptance_length}")
+    if prev is not None and comparable(prev, conditions):
+        floor = prev["acceptance_length"] * (1 - max_regression)
+        checks["previous"] = {"acceptance_length": prev["acceptance_length"], "draft": prev.get("draft"),
+                              "floor": floor}
+        if acceptance_length is not None and acceptance_length < floor:
+            reasons.append(f"acceptance length {acceptance_length:.3f} is more than {max_regression:.0%} below the "
+                           f"last promoted draft's {prev['acceptance_length']:.3f} ({prev.get('draft')})")
+    else:
+        checks["previous"] = None if prev is None else "not comparable (other workload, k, temperature or max_tokens)"
+    if max_mismatch_fraction is not None and mismatch_fraction is not None:
+        checks["max_mismatch_fraction"] = max_mismatch_fraction
+        if mismatch_fraction > max_mismatch_fraction:
+            reasons.append(f"{mismatch_fraction:.1%} of greedy outputs differ from the baseline "
+                           f"(allowed {max_mismatch_fraction:.1%})")
+    return GateResult(not reasons, reasons, checks)
+
+
+def promote(draft_dir: Path, runs_dir: Path, profile: str, record: dict[str, Any]) -> Path:
+    """Copy ``draft_dir`` under promoted/<profile>/drafts/ and point ``latest`` at it (atomically)."""
+    root = promoted_dir(runs_dir, profile)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = root / "drafts" / f"{stamp}-{record.get('key', 'draft')}"
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(draft_dir, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    link_tmp = root / ".latest.tmp"
+    if link_tmp.is_symlink() or link_tmp.exists():
+        link_tmp.unlink()
+    os.symlink(Path("drafts") / dest.name, link_tmp)
+    os.replace(link_tmp, root / "latest")
+    entry = {**record, "draft": str(dest), "source": str(draft_dir), "promoted_at": stamp}
+    write_json_atomic(root / "latest.json", entry)
+    with open(root / "history.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return dest

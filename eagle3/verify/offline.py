@@ -1,0 +1,115 @@
+"""Acceptance estimated in PyTorch alone: the target's greedy sequences, the draft's greedy chains.
+
+For quick checks (during training, or before paying for two server starts) and as a cross-check
+of vLLM's counters. For each sequence ``x`` (prompt + the target's own greedy continuation,
+length L, prompt length P) the target's auxiliary states ``a`` come from one teacher-forced
+forward pass (exactly what the target computed while generating ``x``). Then, as vLLM's
+proposer does after every verification step:
+
+    chain start p (first p = P-1: the target has just emitted x[p+1] from its state at p)
+      step 0:  draft(a_p, x[p+1]) at position p           -> d_1   (prefix keys: a_0..a_p)
+      step i:  draft(out_{i-1}, d_i) at position p+i      -> d_{i+1}
+      accepted a = leading matches of d_1..d_k with x[p+2..p+1+k]
+      the target's verification emits one more token, so the next chain starts at p + a + 1
+
+Mean acceptance length = mean over chains of (a + 1), the same definition as vLLM's
+``1 + accepted / drafts``. Differences from vLLM: float32 here vs the server's dtype, and the
+last chain of each sequence (vLLM stops at max_tokens with a partial chain) is cut to the
+tokens that exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _slice_kv(kv: tuple[torch.Tensor, ...], n: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t[:, :, :n] for t in kv)
+
+
+def _cat_kv(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.cat([x, y], dim=2) for x, y in zip(a, b))
+
+
+@torch.no_grad()
+def chains_of_sequence(draft: Any, aux: torch.Tensor, ids: torch.Tensor, start: int, k: int,
+                       draft_to_target: torch.Tensor) -> list[int]:
+    """Accepted draft tokens (0..k) of each chain along one sequence.
+
+    ``aux`` [L, A*H] target states, ``ids`` [L] tokens, ``start`` = P-1, ``draft_to_target`` [D]
+    maps a draft index to its target id."""
+    L = ids.numel()
+    if L - start < 3:
+        return []
+    out0, logits0, kv0 = draft(ids[1:].unsqueeze(0), aux[:-1].unsqueeze(0), use_cache=True)
+    accepted: list[int] = []
+    p = start
+    while p + 2 <= L - 1:
+        tok = draft_to_target[logits0[0, p].argmax()]
+        proposals = [int(tok)]
+        h, kv = out0[:, p : p + 1], _slice_kv(kv0, p + 1)
+        for i in range(1, k):
+            pos = torch.tensor([p + i], device=ids.device)
+            o, lg, kv_new = draft(tok.view(1, 1), h, position_ids=pos, past_kv=kv, use_cache=True)
+            kv = _cat_kv(kv, kv_new)
+            tok = draft_to_target[lg[0, -1].argmax()]
+            proposals.append(int(tok))
+            h = o
+        truth = ids[p + 2 : p + 2 + k].tolist()
+        a = 0
+        for d, t in zip(proposals, truth):
+            if d != t:
+                break
+            a += 1
+        accepted.append(a)
+        p += a + 1
+    return accepted
+
+
+def summarize_chains(accepted: Sequence[int], k: int) -> dict[str, Any]:
+    n = len(accepted)
+    if n == 0:
+        return {"chains": 0, "acceptance_length": None, "acceptance_per_position": []}
+    return {
+        "chains": n,
+        "acceptance_length": 1 + sum(accepted) / n,
+        "acceptance_rate": sum(accepted) / (n * k),
+        "acceptance_per_position": [sum(1 for a in accepted if a > i) / n for i in range(k)],
+    }
+
+
+@torch.no_grad()
+def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences: Sequence[tuple[list[int], list[int]]],
+                       k: int, *, max_sequences: int | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Estimate acceptance of the exported draft in ``draft_dir`` for the target in ``target_dir``
+    on ``sequences`` = [(prompt_token_ids, greedy_output_token_ids)]."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.export import load_exported
+
+    draft, d2t, _ = load_exported(draft_dir, dtype=torch.float32)
+    draft.load_embeddings(target_dir)
+    draft.eval().to(device)
+    n_draft = draft.config.draft_vocab_size
+    draft_to_target = torch.arange(n_draft, dtype=torch.int64)
+    if d2t is not None:
+        draft_to_target = draft_to_target + d2t.to(torch.int64)
+    draft_to_target = draft_to_target.to(device)
+    aux_layers = list(draft.config.aux_layer_ids)
+
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    accepted: list[int] = []
+    used = 0
+    for prompt, output in sequences[: max_sequences or len(sequences)]:
+        if not prompt or len(output) < 2:
+            continue
+        ids = torch.tensor(list(prompt) + list(output), dtype=torch.int64, device=device)
+        hs = target(ids.unsqueeze(0), output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[layer][0] for layer in aux_layers], dim=-1)
+        accepted += chains_of_sequence(draft, aux, ids, len(prompt) - 1, k, draft_to_target)
+        used += 1
+    return {**summarize_chains(accepted, k), "sequences": used, "k": k}

@@ -1,0 +1,176 @@
+"""Verify stage: does the draft make the served target faster, by how much, and is it better
+than the last promoted one.
+
+1. The target alone (baseline), then target + draft (``--speculative-config`` method eagle3), one
+   after the other through the serve stage, same settings otherwise.
+2. The same workload on each, at every configured concurrency; around each measured window a
+   ``/metrics`` snapshot, so acceptance comes from vLLM's own counters (deltas) and latency from
+   its histograms; throughput from the client's clock.
+3. Greedy outputs compared token for token; the offline PyTorch estimate on the baseline's outputs.
+4. report.json / report.md / report.png, the gate, and promotion of a passing draft.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from eagle3.generate.storage import write_json_atomic
+from eagle3.serving.server import Server, start_server
+from eagle3.verify.client import WorkloadRun, compare_outputs, run_workload, warmup
+from eagle3.verify.gate import GateFailed, evaluate_gate, last_promoted, promote
+from eagle3.verify.metrics import Snapshot, snapshot
+from eagle3.verify.offline import offline_acceptance
+from eagle3.verify.report import plot, render_markdown
+from eagle3.verify.workload import Conversation, load_workload, workload_fingerprint
+
+
+def _speculative_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Path) -> Server:
+    s = cfg.serve
+    v = cfg.verify
+    if s.backend == "external":
+        if not v.speculative_base_url:
+            raise ValueError("serve.backend external: set verify.speculative_base_url to the server running "
+                             f"target + draft with --speculative-config '{spec}'")
+        serve = s.model_copy(update={"base_url": v.speculative_base_url})
+        return start_server(cfg.model_copy(update={"serve": serve}), model)
+    if s.backend == "systemd":
+        if not v.speculative_unit:
+            raise ValueError("serve.backend systemd: set verify.speculative_unit to a unit serving target + draft "
+                             f"(its ExecStart needs --speculative-config '{spec}')")
+        serve = s.model_copy(update={"unit": v.speculative_unit})
+        return start_server(cfg.model_copy(update={"serve": serve}), model)
+    return start_server(cfg, model, speculative_config=spec, log_dir=log_dir)
+
+
+def measure(server: Server, convs: list[Conversation], cfg: Any, label: str,
+            on_result: Callable[[str, int, int], None] | None = None) -> list[tuple[WorkloadRun, Snapshot, Snapshot]]:
+    """Warm up, then one measured window per concurrency: (client run, counters before, after)."""
+    v = cfg.verify
+    warmup(server.base_url, server.model, v.warmup_requests, server.api_key, v.timeout_s)
+    windows = []
+    for c in v.concurrency:
+        before = snapshot(server.base_url, server.api_key)
+        done = [0]
+
+        def tick(_r: Any, c: int = c) -> None:
+            done[0] += 1
+            if on_result is not None:
+                on_result(label, c, done[0])
+
+        run = run_workload(server.base_url, server.model, convs, concurrency=c, max_tokens=v.max_tokens,
+                           temperature=v.temperature, seed=v.seed, api_key=server.api_key, timeout_s=v.timeout_s,
+                           on_result=tick)
+        after = snapshot(server.base_url, server.api_key)
+        windows.append((run, before, after))
+    return windows
+
+
+def _window_stats(run: WorkloadRun, before: Snapshot, after: Snapshot) -> dict[str, Any]:
+    delta = after - before
+    return {**run.client_stats(), **delta.summary(), "counters": {"before": before.raw(), "after": after.raw()}}
+
+
+def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
+           log: Callable[[str], None] = print,
+           on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Run the verify stage; returns the report (also written to ``out_dir``). Raises
+    :class:`GateFailed` after writing the report when the gate fails."""
+    v = cfg.verify
+    draft_dir, out_dir = Path(draft_dir).resolve(), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not (draft_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{draft_dir}: no exported draft (config.json missing): run the train stage")
+    started = time.time()
+    convs = load_workload(v.workload, v.num_prompts, v.turns)
+    fp = workload_fingerprint(convs)
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": v.num_speculative_tokens}
+    log(f"verify: {len(convs)} conversations x {v.turns} turns, concurrency {v.concurrency}, k={v.num_speculative_tokens}")
+
+    with start_server(cfg, model, log_dir=out_dir / "logs") as base_server:
+        log(f"verify: baseline ready in {base_server.ready_s:.1f} s")
+        base = measure(base_server, convs, cfg, "baseline", on_progress)
+        base_info = base_server.info()
+    with _speculative_server(cfg, model, spec, out_dir / "logs") as spec_server:
+        log(f"verify: speculative ready in {spec_server.ready_s:.1f} s")
+        specw = measure(spec_server, convs, cfg, "speculative", on_progress)
+        spec_info = spec_server.info()
+
+    windows = []
+    total = Snapshot()
+    greedy = v.temperature == 0
+    for (brun, b0, b1), (srun, s0, s1) in zip(base, specw):
+        bs, ss = _window_stats(brun, b0, b1), _window_stats(srun, s0, s1)
+        total = total + (s1 - s0)
+        bt, st = bs["output_tokens_per_s"], ss["output_tokens_per_s"]
+        btp, stp = bs["server_mean_tpot_s"], ss["server_mean_tpot_s"]
+        windows.append({
+            "concurrency": brun.concurrency, "baseline": bs, "speculative": ss,
+            "speedup": st / bt if bt and st else None,
+            "tpot_ratio": btp / stp if btp and stp else None,
+            "outputs": compare_outputs(brun, srun) if greedy else None,
+        })
+    acceptance = total.summary()
+    compared = sum(w["outputs"]["compared"] for w in windows) if greedy else 0
+    mism = sum(w["outputs"]["mismatches"] for w in windows) if greedy else 0
+    outputs = {"compared": compared, "mismatches": mism, "mismatch_fraction": mism / compared if compared else None,
+               "greedy": greedy}
+
+    offline = None
+    if v.offline_estimate and greedy and Path(model).is_dir():
+        brun = base[0][0]
+        seqs = [(r.prompt_token_ids, r.token_ids) for r in brun.results]
+        t0 = time.time()
+        offline = offline_acceptance(model, draft_dir, seqs, v.num_speculative_tokens,
+                                     max_sequences=v.offline_max_sequences)
+        offline["wall_s"] = round(time.time() - t0, 2)
+        offline["on_concurrency"] = brun.concurrency
+        al = acceptance["acceptance_length"]
+        # compare with vLLM on the same prompts: the window of the same concurrency
+        same = next(w for w in windows if w["concurrency"] == brun.concurrency)["speculative"]["acceptance_length"]
+        offline["vllm_acceptance_length_same_prompts"] = same
+        offline["difference_from_vllm"] = (offline["acceptance_length"] - same
+                                           if offline["acceptance_length"] is not None and same is not None else None)
+        log(f"verify: offline estimate {offline['acceptance_length']} vs vLLM {same} (all windows {al})")
+
+    conditions = {"workload_fingerprint": fp, "num_speculative_tokens": v.num_speculative_tokens,
+                  "temperature": v.temperature, "max_tokens": v.max_tokens}
+    prev = last_promoted(cfg.paths.runs_dir, cfg.name)
+    gate = evaluate_gate(acceptance["acceptance_length"], conditions, prev,
+                         min_acceptance_length=v.min_acceptance_length, max_regression=v.max_regression,
+                         mismatch_fraction=outputs["mismatch_fraction"], max_mismatch_fraction=v.max_mismatch_fraction)
+    report: dict[str, Any] = {
+        "stage": "verify",
+        "profile": cfg.name,
+        "target": model,
+        "draft_dir": str(draft_dir),
+        "num_speculative_tokens": v.num_speculative_tokens,
+        "temperature": v.temperature,
+        "max_tokens": v.max_tokens,
+        "workload": {"name": v.workload, "conversations": len(convs), "turns": v.turns, "fingerprint": fp},
+        "acceptance": {**acceptance, "counters": total.raw()},
+        "acceptance_length": acceptance["acceptance_length"],
+        "speedup": {str(w["concurrency"]): w["speedup"] for w in windows},
+        "windows": windows,
+        "outputs": outputs,
+        "offline": offline,
+        "gate": gate.to_dict(),
+        "promoted": None,
+        "servers": {"baseline": base_info, "speculative": spec_info},
+        "wall_s": None,
+    }
+    if gate.passed and v.promote:
+        report["promoted"] = str(promote(draft_dir, cfg.paths.runs_dir, cfg.name,
+                                         {**conditions, "acceptance_length": acceptance["acceptance_length"],
+                                          "report": str(out_dir / "report.json"), "key": fp[:8]}))
+    report["wall_s"] = round(time.time() - started, 2)
+    write_json_atomic(out_dir / "report.json", report)
+    (out_dir / ".report.md.tmp").write_text(render_markdown(report))
+    (out_dir / ".report.md.tmp").replace(out_dir / "report.md")
+    plot(report, out_dir / "report.png")
+    if not gate.passed:
+        raise GateFailed(f"verify gate failed for {draft_dir}: " + "; ".join(gate.reasons)
+                         + f" (report: {out_dir / 'report.md'}); the draft was not promoted")
+    return report
