@@ -147,8 +147,11 @@ def generate(
     from eagle3.generate.runner import ServerUnavailable, generate as run_generate
     from eagle3.serving.readiness import ServerError
 
+    from eagle3 import artifacts
+
     cfg = _load(config, set_)
-    out = out or cfg.paths.stage_dir("generate")
+    gen_key = artifacts.stage_key(cfg, "generate")
+    out = out or cfg.paths.artifact_dir("generate", gen_key)
     tokenizer = _tokenizer_path(cfg)
     try:
         with _served(cfg, base_url) as urls:
@@ -170,6 +173,7 @@ def generate(
                                         on_progress=show)
     except (ServerError, EmbeddedModelError, ServerUnavailable, ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    artifacts.finish(cfg, "generate", gen_key, {}, out, manifest)
     run = manifest["this_run"]
     typer.echo(f"{out}: {manifest['totals']['samples']} samples in total; this run {run['counts']}, "
                f"{run['completion_tokens_per_s']} tok/s over {run['wall_s']} s")
@@ -214,9 +218,12 @@ def extract(
     from eagle3.embedded import EmbeddedModelError, resolve_model
     from eagle3.extract.runner import TokenizerMismatch, extract as run_extract
 
+    from eagle3 import artifacts
+
     cfg = _load(config, set_)
     generate_dir = generate_dir or cfg.paths.stage_dir("generate")
-    out = out or cfg.paths.stage_dir("extract")
+    key, inputs, keyed = artifacts.plan_stage(cfg, "extract", {"generate": generate_dir})
+    out = out or keyed
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         with Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
@@ -225,6 +232,7 @@ def extract(
                                    on_progress=lambda done, total: bar.update(task, completed=done, total=total))
     except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError) as e:
         _fail(str(e))
+    artifacts.finish(cfg, "extract", key, inputs, out, manifest)
     typer.echo(f"{out}: {manifest['samples']} samples, {manifest['tokens']} tokens, "
                f"{manifest['bytes_per_token']} bytes/token ({manifest['storage_dtype']}), layers {manifest['aux_layers']}")
 
@@ -239,13 +247,18 @@ def vocab(
     """Draft vocabulary (d2t/t2d) from the loss-carrying tokens of the training data."""
     from eagle3.vocab import vocab_stage
 
+    from eagle3 import artifacts
+
     cfg = _load(config, set_)
-    out = out or cfg.paths.stage_dir("vocab")
+    extract_dir = extract_dir or cfg.paths.stage_dir("extract")
+    key, inputs, keyed = artifacts.plan_stage(cfg, "vocab", {"extract": extract_dir})
+    out = out or keyed
     try:
-        m = vocab_stage(extract_dir or cfg.paths.stage_dir("extract"), out, cfg.target.vocab_size,
+        m = vocab_stage(extract_dir, out, cfg.target.vocab_size,
                         cfg.vocab.draft_vocab_size, {"target": cfg.target.model})
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    artifacts.finish(cfg, "vocab", key, inputs, out, m)
     typer.echo(f"{out}/vocab.safetensors: draft vocab {m['draft_vocab_size']} covers {m['coverage']:.2%} of "
                f"{m['loss_tokens']} loss tokens ({m['distinct']} distinct, {m['padded']} padded)")
 
@@ -288,11 +301,15 @@ def render_unit_cmd(
     config: ConfigOpt,
     set_: SetOpt = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o")] = None,
+    speculative: Annotated[bool, typer.Option(help="The verify stage's target + draft unit instead.")] = False,
 ) -> None:
     """Render the systemd unit that serves this profile's target."""
     from eagle3.serving.units import render_unit
 
-    text = render_unit(_load(config, set_))
+    try:
+        text = render_unit(_load(config, set_), speculative=speculative)
+    except ValueError as e:
+        _fail(str(e))
     if output:
         output.write_text(text)
         typer.echo(f"wrote {output}")
@@ -313,8 +330,13 @@ def train(
     from eagle3.embedded import EmbeddedModelError, resolve_model
     from eagle3.train import TrainingDiverged, train as run_train
 
+    from eagle3 import artifacts
+
     cfg = _load(config, set_)
-    out = out or cfg.paths.stage_dir("train")
+    extract_dir = extract_dir or cfg.paths.stage_dir("extract")
+    vocab_file = vocab_file or cfg.paths.stage_dir("vocab") / "vocab.safetensors"
+    key, inputs, keyed = artifacts.plan_stage(cfg, "train", {"extract": extract_dir, "vocab": vocab_file.parent})
+    out = out or keyed
 
     def progress(p: dict) -> None:
         if p["step"] % 10 == 0 or p["step"] == p["total_steps"]:
@@ -327,11 +349,10 @@ def train(
         target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         if not Path(target_dir).is_dir():
             _fail(f"target {target_dir!r} is not a local folder: train reads its norm/lm_head from the checkpoint")
-        m = run_train(cfg, extract_dir or cfg.paths.stage_dir("extract"),
-                      vocab_file or cfg.paths.stage_dir("vocab") / "vocab.safetensors", target_dir, out,
-                      on_progress=progress)
+        m = run_train(cfg, extract_dir, vocab_file, target_dir, out, on_progress=progress)
     except (EmbeddedModelError, TrainingDiverged, ValueError, KeyError, FileNotFoundError) as e:
         _fail(str(e))
+    artifacts.finish(cfg, "train", key, inputs, out, m)
     final = m["final"] or {}
     typer.echo(f"{m['export']}: {m['steps']} steps ({m['skipped_nan']} skipped), final top-1 per step "
                f"{[round(x, 3) for x in final.get('top1', []) if x is not None]}")
@@ -351,9 +372,12 @@ def verify(
     from eagle3.verify import GateFailed, verify as run_verify
     from eagle3.verify.workload import WorkloadError
 
+    from eagle3 import artifacts
+
     cfg = _load(config, set_)
     draft = draft or cfg.paths.stage_dir("train") / "vllm-draft"
-    out = out or cfg.paths.stage_dir("verify")
+    key, inputs, keyed = artifacts.plan_stage(cfg, "verify", {"train": draft.parent})
+    out = out or keyed
     n_conv = cfg.verify.num_prompts or 80
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
@@ -371,6 +395,7 @@ def verify(
         _fail(str(e))
     except (EmbeddedModelError, WorkloadError, ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
+    artifacts.finish(cfg, "verify", key, inputs, out, r)
     typer.echo((out / "report.md").read_text())
 
 

@@ -253,6 +253,15 @@ class VerifyConfig(_Section):
     offline_max_sequences: int = Field(32, gt=0)
     speculative_base_url: str | None = Field(None, description="external backend: the speculative server.")
     speculative_unit: str | None = Field(None, description="systemd backend: the unit serving target + draft.")
+    candidate_link: str | None = Field(None, description="systemd backend: a stable path the speculative unit's "
+                                       "--speculative-config names; verify points this symlink at the draft under "
+                                       "test before starting the unit.")
+
+    @model_validator(mode="after")
+    def _candidate_with_unit(self) -> "VerifyConfig":
+        if self.speculative_unit and not self.candidate_link:
+            raise ValueError("verify.speculative_unit needs verify.candidate_link (the draft path its unit serves)")
+        return self
 
     @field_validator("concurrency")
     @classmethod

@@ -4,21 +4,65 @@ No retries: a failed gate is a result, not a transient error (the report is writ
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
+from tasks.caching import ARTIFACT_KEY
+from tasks.retries import TIMEOUT_S
 
 
-@task(name="verify", retries=0, cache_policy=NO_CACHE, persist_result=False)
+# Cached by the artifact key (out_dir's name: train key + verify settings + target + serve settings).
+@task(name="verify", retries=0, cache_policy=ARTIFACT_KEY, timeout_seconds=TIMEOUT_S["verify"])
 def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -> dict:
     """Serve target alone, then target + draft; measure; gate; promote. Returns the report dict
     (keys include ``acceptance_length``, ``speedup``, ``gate`` {passed, reasons}, ``promoted``).
     Raises ``eagle3.verify.GateFailed`` when the gate fails (the report is on disk by then)."""
-    from eagle3.verify import verify
+    from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                                   update_progress_artifact)
+
+    from eagle3.verify import GateFailed, verify
 
     logger = get_run_logger()
-    report = verify(cfg, model, Path(draft_dir), Path(out_dir), log=logger.info)
+    v = cfg.verify
+    n_conv = v.num_prompts or 80
+    total = 2 * len(v.concurrency) * n_conv * v.turns  # both servers, every window
+    windows_done: dict[tuple[str, int], int] = {}
+    artifact = create_progress_artifact(0.0, key="verify-progress", description="verify: requests done")
+    last = [0.0]
+
+    def progress(label: str, c: int, done: int) -> None:
+        windows_done[(label, c)] = done
+        if time.monotonic() - last[0] > 5:
+            last[0] = time.monotonic()
+            update_progress_artifact(artifact, min(100.0, 100.0 * sum(windows_done.values()) / max(total, 1)))
+
+    def publish(out: Path) -> None:
+        report = json.loads((out / "report.json").read_text())
+        per_pos = report["acceptance"]["acceptance_per_position"]
+        offline = (report.get("offline") or {}).get("acceptance_per_position") or []
+        create_table_artifact(key="verify-acceptance", description="Acceptance per draft position", table=[
+            {"position": i, "vLLM accepted / drafts": round(x, 4),
+             "offline estimate": round(offline[i], 4) if i < len(offline) else None} for i, x in enumerate(per_pos)])
+        create_table_artifact(key="verify-throughput", description="Baseline vs speculative", table=[
+            {"concurrency": w["concurrency"], "baseline tok/s": w["baseline"]["output_tokens_per_s"],
+             "speculative tok/s": w["speculative"]["output_tokens_per_s"], "speedup": w["speedup"],
+             "acceptance length": w["speculative"]["acceptance_length"],
+             "greedy mismatches": (w["outputs"] or {}).get("mismatches")} for w in report["windows"]])
+        create_markdown_artifact(key="verify-report", markdown=(out / "report.md").read_text()
+                                 + f"\n\nPlot: `{out / 'report.png'}`\n")
+
+    try:
+        report = verify(cfg, model, Path(draft_dir), Path(out_dir), log=logger.info, on_progress=progress)
+    except GateFailed:
+        if (Path(out_dir) / "report.json").is_file():
+            publish(Path(out_dir))
+        raise
+    update_progress_artifact(artifact, 100.0)
+    publish(Path(out_dir))
+    logger.info("verify: acceptance length %s, speedup %s, gate passed, promoted %s",
+                report["acceptance_length"], report["speedup"], report["promoted"])
     return report

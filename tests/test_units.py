@@ -4,6 +4,7 @@
 systemd, so the same checks are made by parsing (eagle3.serving.units.validate_unit).
 """
 
+import json
 import shutil
 import subprocess
 
@@ -23,6 +24,19 @@ def test_kimi_unit_is_rendered_from_its_profile():
     assert committed == render_unit(cfg), "regenerate: eagle3 render-unit -c configs/kimi-k25-hero.yaml -o ..."
 
 
+def test_kimi_speculative_unit_serves_the_candidate_link():
+    """verify's second server: the same command plus --speculative-config naming the candidate link."""
+    cfg = load_config(KIMI_PROFILE)
+    committed = (UNITS / "vllm-kimi-k25-int4-eagle3.service").read_text()
+    assert committed == render_unit(cfg, speculative=True), "regenerate: eagle3 render-unit --speculative ..."
+    argv = exec_start_argv(UNITS / "vllm-kimi-k25-int4-eagle3.service")
+    base = vllm_command(cfg.serve, cfg.target.model, cfg.target.served_model_name, trust_remote_code=True)
+    i = argv.index("--speculative-config")
+    assert argv[:i] + argv[i + 2:] == base
+    assert json.loads(argv[i + 1]) == {"method": "eagle3", "model": cfg.verify.candidate_link,
+                                       "num_speculative_tokens": cfg.verify.num_speculative_tokens}
+
+
 def test_kimi_unit_runs_the_production_command():
     argv = exec_start_argv(UNITS / "vllm-kimi-k25-int4.service")
     cfg = load_config(KIMI_PROFILE)
@@ -33,7 +47,7 @@ def test_kimi_unit_runs_the_production_command():
     assert "--trust-remote-code" in argv
 
 
-@pytest.mark.parametrize("name", ["vllm-kimi-k25-int4.service", "vllm@.service"])
+@pytest.mark.parametrize("name", ["vllm-kimi-k25-int4.service", "vllm-kimi-k25-int4-eagle3.service", "vllm@.service"])
 def test_units_validate(name):
     text = (UNITS / name).read_text()
     assert validate_unit(text, min_start_timeout_s=45 * 60) == []
@@ -43,7 +57,8 @@ def test_units_validate(name):
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze on this machine")
-@pytest.mark.parametrize("name, as_name", [("vllm-kimi-k25-int4.service", None), ("vllm@.service", "vllm@demo.service")])
+@pytest.mark.parametrize("name, as_name", [("vllm-kimi-k25-int4.service", None), ("vllm-kimi-k25-int4-eagle3.service", None),
+                                           ("vllm@.service", "vllm@demo.service")])
 def test_systemd_analyze_verify(tmp_path, name, as_name):
     unit = tmp_path / (as_name or name)
     unit.write_text((UNITS / name).read_text())

@@ -189,3 +189,20 @@ def test_verify_gate_fails_without_speculation(vllm_server, smol_model, trained_
     r = json.loads((tmp_path / "verify" / "report.json").read_text())
     assert not r["gate"]["passed"] and r["promoted"] is None and r["outputs"]["mismatches"] == 0
     assert last_promoted(tmp_path, "smollm2-cpu") is None
+
+
+def test_candidate_link_points_at_the_draft_under_test(tmp_path):
+    """systemd backend: the speculative unit serves a fixed path; verify swaps the symlink."""
+    from eagle3.config import load_config
+    from eagle3.verify.runner import point_candidate
+    from tests.conftest import KIMI_PROFILE
+
+    a, b = tmp_path / "draft-a", tmp_path / "draft-b"
+    a.mkdir(), b.mkdir()
+    link = tmp_path / "var" / "candidate-draft"
+    point_candidate(link, a)
+    assert link.resolve() == a.resolve()
+    point_candidate(link, b)
+    assert link.resolve() == b.resolve() and not list(link.parent.glob(".*tmp"))
+    cfg = load_config(KIMI_PROFILE)
+    assert cfg.verify.speculative_unit and cfg.verify.candidate_link and not cfg.verify.offline_estimate

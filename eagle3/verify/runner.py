@@ -12,6 +12,7 @@ than the last promoted one.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,12 +20,23 @@ from typing import Any
 
 from eagle3.generate.storage import write_json_atomic
 from eagle3.serving.server import Server, start_server
+from eagle3.serving.units import speculative_config
 from eagle3.verify.client import WorkloadRun, compare_outputs, run_workload, warmup
 from eagle3.verify.gate import GateFailed, evaluate_gate, last_promoted, promote
 from eagle3.verify.metrics import Snapshot, snapshot
 from eagle3.verify.offline import offline_acceptance
 from eagle3.verify.report import plot, render_markdown
 from eagle3.verify.workload import Conversation, load_workload, workload_fingerprint
+
+
+def point_candidate(link: Path, draft_dir: Path) -> None:
+    """Atomically point ``link`` (named by the speculative unit) at the draft under test."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(draft_dir, tmp)
+    os.replace(tmp, link)
 
 
 def _speculative_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Path) -> Server:
@@ -40,6 +52,7 @@ def _speculative_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Pat
         if not v.speculative_unit:
             raise ValueError("serve.backend systemd: set verify.speculative_unit to a unit serving target + draft "
                              f"(its ExecStart needs --speculative-config '{spec}')")
+        point_candidate(Path(v.candidate_link), Path(spec["model"]))
         serve = s.model_copy(update={"unit": v.speculative_unit})
         return start_server(cfg.model_copy(update={"serve": serve}), model)
     return start_server(cfg, model, speculative_config=spec, log_dir=log_dir)
@@ -86,7 +99,7 @@ def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
     started = time.time()
     convs = load_workload(v.workload, v.num_prompts, v.turns)
     fp = workload_fingerprint(convs)
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": v.num_speculative_tokens}
+    spec = speculative_config(cfg, str(draft_dir))
     log(f"verify: {len(convs)} conversations x {v.turns} turns, concurrency {v.concurrency}, k={v.num_speculative_tokens}")
 
     with start_server(cfg, model, log_dir=out_dir / "logs") as base_server:
