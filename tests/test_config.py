@@ -90,3 +90,20 @@ def _cpu_dict():
     import yaml
 
     return yaml.safe_load(CPU_PROFILE.read_text())
+
+
+def test_default_aux_layers_that_collide_name_the_fix():
+    """(2, N//2, N-3) collides on very shallow targets (6 layers: 2, 3, 3): the error says it is the
+    default and what to set instead."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(_cpu_dict(), "p.yaml", ["target.num_hidden_layers=6"])
+    msg = str(e.value)
+    assert "extract.aux_layers [2, 3, 3] must be distinct" in msg and "default (2, N//2, N-3)" in msg
+    assert "set extract.aux_layers to distinct layer ids in [0, 6), e.g. [1, 3, 4]" in msg
+    with pytest.raises(ConfigError, match=r"outside the target's 2 layers; these are the default"):
+        config_from_dict(_cpu_dict(), "p.yaml", ["target.num_hidden_layers=2"])
+    cfg = config_from_dict(_cpu_dict(), "p.yaml", ["target.num_hidden_layers=6", "extract.aux_layers=[1, 3, 4]"])
+    assert cfg.aux_layers == [1, 3, 4]
+    with pytest.raises(ConfigError) as e:  # an explicit list gets the plain message
+        config_from_dict(_cpu_dict(), "p.yaml", ["extract.aux_layers=[2, 3, 3]"])
+    assert "default" not in str(e.value)

@@ -41,3 +41,45 @@ def test_plan_hides_api_key():
 def test_plan_reports_config_errors():
     r = runner.invoke(app, ["plan", "-c", str(KIMI_PROFILE), "--set", "train.nope=1"])
     assert r.exit_code == 2 and "train.nope: unknown field" in r.output
+
+
+def test_kimi_plan_shows_the_mla_draft():
+    """The Kimi profile's plan: the MLA draft's resolved config, every weight's shape, parameter counts
+    (Kimi-K2.5's sizes from configs/targets/moonshotai--Kimi-K2.5.json: no checkpoint here)."""
+    r = runner.invoke(app, ["plan", "--config", str(KIMI_PROFILE), "--json"])
+    assert r.exit_code == 0, r.output
+    draft = json.loads(r.output)["stages"]["train"]["draft"]
+    assert draft["arch"].startswith("mla") and draft["vllm_architecture"] == "Eagle3DeepseekV2ForCausalLM"
+    assert draft["target_config"] == "configs/targets/moonshotai--Kimi-K2.5.json"
+    c = draft["config"]
+    assert (c["hidden_size"], c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"],
+            c["qk_rope_head_dim"], c["v_head_dim"], c["intermediate_size"]) == (7168, 64, 1536, 512, 128, 64, 128, 18432)
+    assert c["rope_scaling"]["rope_type"] == "yarn" and c["rope_scaling"]["factor"] == 64.0
+    assert c["aux_layer_ids"] == [2, 30, 58] and c["draft_vocab_size"] == 32000
+    w = draft["weights (exported)"]
+    assert w["fc.weight"] == "7168 x 21504" and w["midlayer.self_attn.q_a_proj.weight"] == "1536 x 14336"
+    assert w["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == "576 x 14336"
+    assert w["midlayer.self_attn.kv_b_proj.weight"] == "16384 x 512" and w["lm_head.weight"] == "32000 x 7168"
+    assert draft["parameters"]["trainable"] == 896_169_984
+    assert draft["parameters"]["frozen embedding"] == 163840 * 7168
+    assert "profile/config mismatches" not in draft
+    text = runner.invoke(app, ["plan", "--config", str(KIMI_PROFILE)]).output
+    assert "896.17 M trainable + 1.174 B frozen embedding = 2.071 B" in text
+    assert "midlayer.self_attn.q_b_proj.weight: 12288 x 1536" in text
+
+
+def test_plans_of_the_other_profiles_name_their_drafts():
+    from tests.conftest import ROOT
+
+    r = runner.invoke(app, ["plan", "-c", str(CPU_PROFILE), "--json"])
+    draft = json.loads(r.output)["stages"]["train"]["draft"]
+    assert draft["vllm_architecture"] == "LlamaForCausalLMEagle3" and draft["arch"] == "llama (train.draft_arch: auto)"
+    r = runner.invoke(app, ["plan", "-c", str(ROOT / "configs" / "tiny-deepseek-cpu.yaml"), "--json"])
+    assert r.exit_code == 0, r.output
+    draft = json.loads(r.output)["stages"]["train"]["draft"]
+    assert draft["vllm_architecture"] == "Eagle3DeepseekV2ForCausalLM" and draft["config"]["aux_layer_ids"] == [1, 3, 4]
+    assert draft["weights (exported)"]["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == "576 x 512"
+    r = runner.invoke(app, ["plan", "-c", str(KIMI_PROFILE), "--set", "train.draft_arch=llama",
+                            "--set", "train.draft_num_key_value_heads=8", "--json"])
+    draft = json.loads(r.output)["stages"]["train"]["draft"]
+    assert draft["weights (exported)"]["midlayer.self_attn.k_proj.weight"] == "896 x 14336"  # 8 KV heads x 112

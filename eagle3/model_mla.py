@@ -1,0 +1,437 @@
+"""The MLA-style EAGLE-3 draft: one DeepSeek decoder layer (MLA attention, dense MLP).
+
+Plain PyTorch, weight-for-weight compatible with vLLM's ``Eagle3DeepseekV2ForCausalLM``
+(``vllm/model_executor/models/deepseek_eagle3.py``, which builds ``DeepseekV2MLAAttention`` with
+``input_size = 2 * hidden_size`` and a ``DeepseekV2MLP``; checked against vLLM 0.32.0). This is the
+draft vLLM's Kimi-K2.5 recipe serves; on vLLM CPU it is also the only EAGLE-3 draft an MLA target
+accepts (REFERENCE.md §5b). Checkpoint names (see :mod:`eagle3.export`)::
+
+    embed_tokens.weight                          [V, H]       frozen, copied from the target (not exported)
+    fc.weight                                    [H, A*Ht]
+    midlayer.input_layernorm.weight              [H]          applied to the token embeddings
+    midlayer.hidden_norm.weight                  [H]          applied to the (projected) hidden states
+    midlayer.self_attn.q_a_proj.weight           [Rq, 2H]     (q_lora_rank Rq; without it: q_proj [n*(dn+dr), 2H])
+    midlayer.self_attn.q_a_layernorm.weight      [Rq]
+    midlayer.self_attn.q_b_proj.weight           [n*(dn+dr), Rq]
+    midlayer.self_attn.kv_a_proj_with_mqa.weight [Rkv+dr, 2H]
+    midlayer.self_attn.kv_a_layernorm.weight     [Rkv]
+    midlayer.self_attn.kv_b_proj.weight          [n*(dn+dv), Rkv]
+    midlayer.self_attn.o_proj.weight             [H, n*dv]
+    midlayer.post_attention_layernorm.weight     [H]
+    midlayer.mlp.{gate,up}_proj.weight           [I, H]
+    midlayer.mlp.down_proj.weight                [H, I]
+    norm.weight                                  [H]
+    lm_head.weight                               [D, H]
+
+(n heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, Rkv = kv_lora_rank.)
+
+The layer is vLLM's ``DeepseekV2Eagle3DecoderLayer`` with ``layer_idx == 0``, step for step; the
+residual handling, the embeds-first concatenation and the final norm are the same as in the
+Llama draft (:mod:`eagle3.model`), only the attention differs. The attention is vLLM's
+``MultiHeadLatentAttentionWrapper`` (``vllm/model_executor/layers/mla.py``) written out
+unabsorbed (the same maths as its prefill path and as transformers' ``DeepseekV3Attention``)::
+
+    q          = q_b_proj(q_a_layernorm(q_a_proj(x)))          -> [T, n, dn + dr]   (x is 2H wide)
+    kv_c, k_pe = split(kv_a_proj_with_mqa(x), [Rkv, dr])       (k_pe: ONE head shared by all heads)
+    k_nope, v  = split(kv_b_proj(kv_a_layernorm(kv_c)) -> [T, n, dn + dv], [dn, dv])
+    q_pe, k_pe = RoPE(q[..., dn:]), RoPE(k_pe)                 interleaved pairs (is_neox_style=False)
+    k          = cat(k_nope, k_pe broadcast over heads)
+    attn       = softmax(q k^T * scale) v,  scale = (dn + dr)^-0.5 * m^2
+    out        = o_proj(attn)
+
+RoPE: vLLM rewrites any non-default rope type of an MLA layer to ``deepseek_yarn``
+(``DeepseekScalingRotaryEmbedding``): YaRN inverse frequencies over the dr rotary dims,
+cos/sin scaled by ``mscale(f, mscale) / mscale(f, mscale_all_dim)``, and the softmax scale
+multiplied by ``m^2 = mscale(f, mscale_all_dim)^2`` (``mscale(f, a) = 0.1 a ln f + 1``; for
+Kimi-K2.5, f = 64 and mscale_all_dim = 1, m^2 = 2.005). A scaling dict with
+``attention_factor == 1.0`` is vLLM's ``deepseek_llama_scaling``: the same frequencies but no
+softmax factor. Only "default" and YaRN-style scaling are accepted here.
+
+Forward interface, attention masks and KV prefixes are those of :class:`eagle3.model.Eagle3Draft`
+(this class subclasses it), so the trainer's TTT unroll runs unchanged. The KV prefix holds the
+expanded per-head keys and values: ``past_kv = (k [B, n, S, dn + dr] (RoPE applied),
+v [B, n, S, dv])``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3.model import MLP, Eagle3Draft, KVCache, MidLayer, RMSNorm, _read_config, _rope_from_config
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
+#: The target config fields an MLA draft copies (all DeepSeek-V2/V3 and Kimi-K2 configs have them).
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+@dataclass
+class MLADraftConfig:
+    """Shapes and forward settings of the MLA draft (what the export writes)."""
+
+    hidden_size: int
+    intermediate_size: int  # the dense MLP (DeepSeek: the target's dense `intermediate_size`)
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    vocab_size: int  # the TARGET vocab
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False  # the target's (informational)
+
+    arch = "mla"  # class attribute (not a field): what build_draft / export dispatch on
+
+    def __post_init__(self) -> None:
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        if not self.aux_layer_ids:
+            raise ValueError("aux_layer_ids must not be empty")
+        if len(set(self.aux_layer_ids)) != len(self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be distinct, got {self.aux_layer_ids}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} not in [1, {self.vocab_size}]")
+        if self.hidden_act != "silu":
+            raise ValueError(f"only silu MLPs are supported (vLLM's DeepseekV2MLP), got {self.hidden_act}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim <= 0:
+            raise ValueError(f"qk_rope_head_dim must be even and positive, got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None:
+            self.q_lora_rank = int(self.q_lora_rank)
+        if self.rope_type not in MLA_ROPE_TYPES:
+            raise ValueError(f"rope type {self.rope_type!r}: vLLM's MLA layer treats every non-default type as "
+                             f"DeepSeek YaRN, so only {MLA_ROPE_TYPES} are accepted; override rope_scaling=None "
+                             "for plain RoPE")
+        if self.rope_type != "default":
+            missing = [k for k in ("factor", "original_max_position_embeddings") if k not in (self.rope_scaling or {})]
+            if missing:
+                raise ValueError(f"YaRN rope_scaling needs {missing}")
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def fc_input_size(self) -> int:
+        return self.target_hidden_size * len(self.aux_layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MLADraftConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: dict[str, Any] | str | Path,
+        draft_vocab_size: int,
+        aux_layer_ids: Sequence[int],
+        **overrides: Any,
+    ) -> "MLADraftConfig":
+        """Derive the MLA draft's config from a DeepSeek-V2/V3 or Kimi-K2(.5) target config.
+
+        Copies the target's MLA geometry (heads, q_lora_rank, kv_lora_rank, nope/rope/v head dims),
+        its dense ``intermediate_size`` (DeepSeek's first dense layers; the MoE width
+        ``moe_intermediate_size`` is not used), norm eps, RoPE incl. YaRN and vocab. Multimodal
+        wrappers (``text_config``) are unwrapped. Any field can be overridden by keyword.
+        """
+        cfg = _read_config(target_config)
+        text = cfg.get("text_config") or cfg.get("language_config") or cfg
+        if not isinstance(text, dict):
+            text = cfg
+        if "num_key_value_heads" in overrides:
+            raise TypeError("num_key_value_heads does not apply to the MLA draft (every head reads the shared "
+                            "latent); drop train.draft_num_key_value_heads or use train.draft_arch: llama")
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown MLADraftConfig fields: {sorted(unknown)}")
+        missing = [k for k in MLA_FIELDS if text.get(k) is None and k not in overrides]
+        if missing:
+            raise ValueError(f"the target config has no MLA fields {missing} (not a DeepSeek/Kimi-style model?): "
+                             "use the Llama draft (train.draft_arch: llama) or give them as overrides")
+        hidden = int(text["hidden_size"])
+        rope_theta, rope_scaling = _rope_from_config(text)
+        values: dict[str, Any] = dict(
+            hidden_size=hidden,
+            intermediate_size=int(text["intermediate_size"]),
+            num_attention_heads=int(text["num_attention_heads"]),
+            q_lora_rank=text.get("q_lora_rank"),
+            kv_lora_rank=text.get("kv_lora_rank"),
+            qk_nope_head_dim=text.get("qk_nope_head_dim"),
+            qk_rope_head_dim=text.get("qk_rope_head_dim"),
+            v_head_dim=text.get("v_head_dim"),
+            vocab_size=int(text.get("vocab_size") or cfg["vocab_size"]),
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=hidden,
+            aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            hidden_act=str(text.get("hidden_act", "silu")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        )
+        values.update(overrides)
+        for k in MLA_FIELDS:
+            values[k] = int(values[k])
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE (DeepSeek flavour: interleaved pairs, YaRN with mscale)
+# ---------------------------------------------------------------------------------------------
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_rope(cfg: MLADraftConfig) -> tuple[torch.Tensor, float, float]:
+    """(inverse frequencies [dr/2], cos/sin magnitude, softmax scale) as vLLM's MLA layer builds
+    them (DeepseekV2MLAAttention + DeepseekScalingRotaryEmbedding)."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    scale = cfg.qk_head_dim**-0.5
+    if cfg.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0, scale
+    s = cfg.rope_scaling or {}
+    factor = float(s["factor"])
+    orig = float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1))
+
+    def corr(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    mscale_all_dim = float(s.get("mscale_all_dim") or 0.0)
+    magnitude = yarn_get_mscale(factor, float(s.get("mscale", 1.0))) / yarn_get_mscale(factor, mscale_all_dim)
+    if s.get("attention_factor") != 1.0:  # vLLM: deepseek_yarn; attention_factor == 1.0: deepseek_llama_scaling
+        m = yarn_get_mscale(factor, mscale_all_dim)
+        scale = scale * m * m
+    return inv, magnitude, scale
+
+
+class InterleavedRotary(nn.Module):
+    """GPT-J style (interleaved pairs) RoPE, vLLM's ``is_neox_style=False``."""
+
+    def __init__(self, cfg: MLADraftConfig) -> None:
+        super().__init__()
+        inv, magnitude, scale = mla_rope(cfg)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.magnitude = magnitude
+        self.softmax_scale = scale
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [B, 1, T, dr] (each frequency repeated for its pair) for position_ids [B, T]."""
+        freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
+        emb = freqs.repeat_interleave(2, dim=-1)
+        cos = (emb.cos() * self.magnitude).to(dtype)[:, None]
+        sin = (emb.sin() * self.magnitude).to(dtype)[:, None]
+        return cos, sin
+
+
+def _rotate_gptj(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_gptj(x) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention over a 2H-wide input (embeds and hidden states concatenated)."""
+
+    def __init__(self, cfg: MLADraftConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk = self.nope + self.rope
+        in_dim = 2 * cfg.hidden_size
+        if cfg.q_lora_rank is not None:
+            self.q_a_proj = nn.Linear(in_dim, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(in_dim, self.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(in_dim, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=False)
+        self.softmax_scale = mla_rope(cfg)[2]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        past_kv: KVCache | None,
+    ) -> tuple[torch.Tensor, KVCache]:
+        b, t, _ = x.shape
+        n = self.n_heads
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(b, t, n, self.nope + self.rope).transpose(1, 2)  # [B, n, T, dn+dr]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_c)).view(b, t, n, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_pe = apply_rope_interleaved(q_pe, cos, sin)
+        k_pe = apply_rope_interleaved(k_pe.unsqueeze(1), cos, sin)  # [B, 1, T, dr]: one shared head
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(b, n, t, self.rope)], dim=-1)
+        new_kv = (k, v)
+        if past_kv is not None:
+            k = torch.cat([past_kv[0], k], dim=2)
+            v = torch.cat([past_kv[1], v], dim=2)
+        s_past = k.shape[2] - t
+        is_causal = False
+        if attn_mask is None:
+            if s_past == 0:
+                is_causal = True
+            else:  # causal with an offset: everything in the prefix, new positions <= i
+                attn_mask = torch.ones(t, s_past + t, dtype=torch.bool, device=x.device).tril(s_past)
+        elif attn_mask.shape[-1] != s_past + t:
+            raise ValueError(f"attn_mask last dim {attn_mask.shape[-1]} != prefix {s_past} + {t}")
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                             scale=self.softmax_scale)
+        out = out.transpose(1, 2).reshape(b, t, n * self.v_dim)
+        return self.o_proj(out), new_kv
+
+
+class MLAMidLayer(MidLayer):
+    """vLLM's ``DeepseekV2Eagle3DecoderLayer`` (layer_idx 0): the Llama draft's layer with MLA
+    attention (the forward, incl. the residual handling, is :class:`eagle3.model.MidLayer`'s)."""
+
+    def __init__(self, cfg: MLADraftConfig) -> None:
+        nn.Module.__init__(self)
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)  # type: ignore[arg-type]  (uses hidden_size / intermediate_size only)
+
+
+# ---------------------------------------------------------------------------------------------
+# The draft
+# ---------------------------------------------------------------------------------------------
+
+
+class Eagle3MLADraft(Eagle3Draft):
+    """Same interface as :class:`eagle3.model.Eagle3Draft` (forward, project, load_embeddings,
+    trainable_state_dict, config); the decoder layer is DeepSeek's."""
+
+    def __init__(self, cfg: MLADraftConfig) -> None:  # noqa: D107
+        nn.Module.__init__(self)
+        self.config = cfg  # type: ignore[assignment]
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.fc_input_size, cfg.hidden_size, bias=False)
+        self.midlayer = MLAMidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = InterleavedRotary(cfg)
+        self.reset_parameters()
+
+
+def mla_weight_shapes(cfg: MLADraftConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every trainable weight (what vLLM allocates, before its
+    q_a_proj/kv_a_proj_with_mqa -> fused_qkv_a_proj and gate/up stacking)."""
+    h, n, i = cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size
+    a = "midlayer.self_attn."
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, cfg.fc_input_size),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+    }
+    if cfg.q_lora_rank is not None:
+        shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, 2 * h)
+        shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        shapes[a + "q_b_proj.weight"] = (n * cfg.qk_head_dim, cfg.q_lora_rank)
+    else:
+        shapes[a + "q_proj.weight"] = (n * cfg.qk_head_dim, 2 * h)
+    shapes.update({
+        a + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 2 * h),
+        a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+        a + "kv_b_proj.weight": (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        a + "o_proj.weight": (h, n * cfg.v_head_dim),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (i, h),
+        "midlayer.mlp.up_proj.weight": (i, h),
+        "midlayer.mlp.down_proj.weight": (h, i),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+    })
+    return shapes
+
+
+def build_mla_draft(
+    target_dir: str | Path,
+    draft_vocab_size: int,
+    aux_layer_ids: Sequence[int],
+    *,
+    load_embeddings: bool = True,
+    **overrides: Any,
+) -> Eagle3MLADraft:
+    """MLADraftConfig from the target's config.json, a fresh draft, the target's embedding copied in."""
+    cfg = MLADraftConfig.from_target(Path(target_dir), draft_vocab_size, aux_layer_ids, **overrides)
+    model = Eagle3MLADraft(cfg)
+    if load_embeddings:
+        model.load_embeddings(target_dir)
+    return model
+
+
+__all__ = [
+    "Eagle3MLADraft",
+    "MLADraftConfig",
+    "MLAAttention",
+    "apply_rope_interleaved",
+    "build_mla_draft",
+    "mla_rope",
+    "mla_weight_shapes",
+]
