@@ -45,6 +45,11 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"{_f(w['speedup'])} | {_f(ms(b['server_mean_tpot_s']), 2)} | {_f(ms(s['server_mean_tpot_s']), 2)} | "
             f"{_f(w['tpot_ratio'])} | {_f(s['acceptance_length'])} | "
             f"{mm.get('mismatches', '-')} / {mm.get('compared', '-')} |")
+    moved = [(w["concurrency"], w["baseline_vs_first_window"]) for w in r["windows"] if w.get("baseline_vs_first_window")]
+    if moved:
+        lines += ["", "Greedy outputs of the baseline itself at another concurrency (batch-shape numerics alone): "
+                  + ", ".join(f"c={c}: {m['mismatches']} / {m['compared']} differ from c={r['windows'][0]['concurrency']}"
+                              for c, m in moved) + "."]
     if r.get("offline"):
         o = r["offline"]
         lines += ["", "## Offline estimate (PyTorch, target + draft, greedy chains)", "",
