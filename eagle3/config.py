@@ -226,6 +226,13 @@ class TrainConfig(_Section):
     draft_num_key_value_heads: int | None = None
     draft_intermediate_size: int | None = None
     checkpoint_every_steps: int = Field(500, gt=0)
+    # Under torchrun (WORLD_SIZE > 1): how the draft is replicated. "ddp" keeps a full copy per
+    # rank; "fsdp" shards the trainable weights, grads and AdamW state (docs/train.md, Distributed).
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    # Batches (of token_budget each) per rank per optimizer step: the global batch of one step is
+    # world_size x grad_accum batches, so a run on W ranks is reproduced (and resumed) on one
+    # process with grad_accum = W.
+    grad_accum: int = Field(1, ge=1)
 
 
 class VerifyConfig(_Section):
