@@ -54,6 +54,12 @@ KIMI = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, n
             rope_theta=50000.0, rms_norm_eps=1e-6, max_position_embeddings=16384)
 
 
+# A small DeepSeek-style geometry at SmolLM2's width, for the CPU run of --arch mla.
+TINY_MLA = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, q_lora_rank=256, kv_lora_rank=512,
+                qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+                rope_theta=100000.0, max_position_embeddings=8192)
+
+
 def make_sample(i: int, seq: int, h: int, v: int, dtype: torch.dtype) -> Sample:
     """Global sample i, the same on whichever rank draws it."""
     g = torch.Generator().manual_seed(1000 + i)
@@ -64,6 +70,8 @@ def make_sample(i: int, seq: int, h: int, v: int, dtype: torch.dtype) -> Sample:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kimi", action="store_true")
+    ap.add_argument("--arch", choices=["llama", "mla"], default="llama",
+                    help="mla: the DeepSeek-style draft (with --kimi: from configs/targets/moonshotai--Kimi-K2.5.json)")
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None, help="samples per micro-batch (per rank)")
     ap.add_argument("--ttt", type=int, default=None)
@@ -87,19 +95,28 @@ def main() -> None:
     batch = args.batch or (1 if args.kimi else 4)
     ttt = args.ttt or (7 if args.kimi else 3)
     steps = args.steps or (10 if args.kimi else 5)
-    cfg = DraftConfig(**dims)
+    if args.arch == "mla":
+        from eagle3.model_mla import Eagle3MLADraft, MLADraftConfig
+
+        if args.kimi:
+            cfg = MLADraftConfig.from_target(ROOT / "configs/targets/moonshotai--Kimi-K2.5.json", 32000, [2, 30, 58])
+        else:
+            cfg = MLADraftConfig.from_target(dict(TINY_MLA), 8192, [2, 15, 27])
+    else:
+        cfg = DraftConfig(**dims)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"machine: {platform.machine()}, {os.cpu_count()} cores, {dev}"
         f"{' ' + torch.cuda.get_device_name() if dev.type == 'cuda' else ''}; torch {torch.__version__}; "
         f"{time.strftime('%Y-%m-%d %H:%M')}")
-    say(f"draft: {'Kimi-K2.5' if args.kimi else 'SmolLM2-135M'} dims H {cfg.hidden_size}, heads "
-        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}, I {cfg.intermediate_size}, V {cfg.vocab_size}, "
-        f"D {cfg.draft_vocab_size}; batch {batch} x seq {seq}, TTT {ttt}")
+    heads = (f"MLA {cfg.num_attention_heads} heads, q/kv rank {cfg.q_lora_rank}/{cfg.kv_lora_rank}"
+             if args.arch == "mla" else f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}")
+    say(f"draft ({args.arch}): {'Kimi-K2.5' if args.kimi else 'SmolLM2-135M'} dims H {cfg.hidden_size}, {heads}, "
+        f"I {cfg.intermediate_size}, V {cfg.vocab_size}, D {cfg.draft_vocab_size}; batch {batch} x seq {seq}, TTT {ttt}")
     if multi:
         say(f"distributed: {dist_info.mode} on {world} rank(s), {accum} micro-batch(es) per rank per step: global "
             f"batch {world * accum * batch} samples = {world * accum * batch * seq} tokens per step")
     torch.manual_seed(0)
-    model = Eagle3Draft(cfg).to(dev)
+    model = (Eagle3MLADraft(cfg) if args.arch == "mla" else Eagle3Draft(cfg)).to(dev)
     hold_frozen_bf16(model, dev)
     h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
     head_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -139,7 +156,9 @@ def main() -> None:
     trainable = sum(p.numel() for p in params)  # FSDP: DTensor numel is the whole tensor's
     attn = 0
     for i in range(ttt):  # step i: T queries over T (causal, ~T/2) + i diagonal keys; QK^T and PV, fwd + bwd
-        attn += 3 * 2 * 2 * (seq / 2 + i) * cfg.num_attention_heads * cfg.head_dim
+        qk_v = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim if args.arch == "mla"
+                else 2 * cfg.head_dim)  # QK^T width + PV width per head
+        attn += 3 * 2 * (seq / 2 + i) * cfg.num_attention_heads * qk_v
     flops_per_token = 6 * trainable * ttt + attn + 2 * v * h
     peak = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
