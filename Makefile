@@ -1,5 +1,6 @@
 # Two commands matter: `make demo` (sets everything up, then runs the hero run on the
-# embedded default) and `make test` (what .ci/run calls). Everything else is a building block.
+# embedded default through Prefect, ending with the acceptance length) and `make test` (what
+# .ci/run calls). `make ui` serves the Prefect UI and the deployments. Everything else is a building block.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,9 @@ export EAGLE3_VLLM_PYTHON ?= $(abspath $(VLLM_VENV))/bin/python
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: setup venv vllm-env model demo test plan-kimi clean
+UI_PORT ?= 4200
+
+.PHONY: setup venv vllm-env model demo test ui browser plan-kimi clean
 
 setup: venv vllm-env
 
@@ -35,8 +38,18 @@ model: venv
 demo: setup
 	$(PY) -m flows.hero_run --config $(PROFILE)
 
-test: setup
+test: setup browser
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Debian's Chromium for the browser test of the Prefect UI (Playwright drives it; Playwright's own
+# browser downloads are not used).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
+# Prefect server (UI at http://127.0.0.1:$(UI_PORT), SQLite under $(PREFECT_HOME)) + the deployments.
+ui: setup
+	PY=$(PY) PROFILE=$(PROFILE) UI_PORT=$(UI_PORT) bash deploy/ui.sh
 
 plan-kimi: venv
 	$(VENV)/bin/eagle3 plan --config configs/kimi-k25-hero.yaml

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -137,7 +138,7 @@ def generate(
     config: ConfigOpt,
     set_: SetOpt = None,
     base_url: BaseUrlOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/generate).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/generate/<key>, the key of these settings).")] = None,
 ) -> None:
     """Send every prompt to the target and keep reasoning, answer and exact token ids (resumable)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -209,8 +210,8 @@ def profile_concurrency_cmd(
 def extract(
     config: ConfigOpt,
     set_: SetOpt = None,
-    generate_dir: Annotated[Optional[Path], typer.Option(help="Generate output (default: <run dir>/generate).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/extract).")] = None,
+    generate_dir: Annotated[Optional[Path], typer.Option(help="Generate output (default: <run dir>/generate/latest).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/extract/<key>).")] = None,
 ) -> None:
     """Hidden states at the auxiliary layers (+ final pre-norm state) over the generated conversations."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -241,8 +242,8 @@ def extract(
 def vocab(
     config: ConfigOpt,
     set_: SetOpt = None,
-    extract_dir: Annotated[Optional[Path], typer.Option(help="Extract output (default: <run dir>/extract).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/vocab).")] = None,
+    extract_dir: Annotated[Optional[Path], typer.Option(help="Extract output (default: <run dir>/extract/latest).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/vocab/<key>).")] = None,
 ) -> None:
     """Draft vocabulary (d2t/t2d) from the loss-carrying tokens of the training data."""
     from eagle3.vocab import vocab_stage
@@ -322,11 +323,14 @@ def render_unit_cmd(
 def train(
     config: ConfigOpt,
     set_: SetOpt = None,
-    extract_dir: Annotated[Optional[Path], typer.Option(help="Extract output (default: <run dir>/extract).")] = None,
-    vocab_file: Annotated[Optional[Path], typer.Option(help="Default: <run dir>/vocab/vocab.safetensors.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/train).")] = None,
+    extract_dir: Annotated[Optional[Path], typer.Option(help="Extract output (default: <run dir>/extract/latest).")] = None,
+    vocab_file: Annotated[Optional[Path], typer.Option(help="Default: <run dir>/vocab/latest/vocab.safetensors.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/train/<key>).")] = None,
 ) -> None:
-    """Train the EAGLE-3 draft (TTT unroll) on the stored hidden states; export it for vLLM."""
+    """Train the EAGLE-3 draft (TTT unroll) on the stored hidden states; export it for vLLM.
+
+    Several GPUs: `torchrun --nproc-per-node N -m eagle3.cli train -c PROFILE` (train.distributed:
+    ddp or fsdp; docs/train.md)."""
     from eagle3.embedded import EmbeddedModelError, resolve_model
     from eagle3.train import TrainingDiverged, train as run_train
 
@@ -352,6 +356,8 @@ def train(
         m = run_train(cfg, extract_dir, vocab_file, target_dir, out, on_progress=progress)
     except (EmbeddedModelError, TrainingDiverged, ValueError, KeyError, FileNotFoundError) as e:
         _fail(str(e))
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 wrote everything and reports
+        return
     artifacts.finish(cfg, "train", key, inputs, out, m)
     final = m["final"] or {}
     typer.echo(f"{m['export']}: {m['steps']} steps ({m['skipped_nan']} skipped), final top-1 per step "
@@ -362,8 +368,8 @@ def train(
 def verify(
     config: ConfigOpt,
     set_: SetOpt = None,
-    draft: Annotated[Optional[Path], typer.Option(help="Exported draft (default: <run dir>/train/vllm-draft).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/verify).")] = None,
+    draft: Annotated[Optional[Path], typer.Option(help="Exported draft (default: <run dir>/train/latest/vllm-draft).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/verify/<key>).")] = None,
 ) -> None:
     """Baseline server vs target + draft: acceptance (vLLM counters), speedup, greedy match, gate."""
     from rich.progress import Progress
@@ -404,7 +410,7 @@ def estimate_acceptance(
     draft: Annotated[Path, typer.Argument(help="Exported draft folder (vLLM format).")],
     config: ConfigOpt,
     set_: SetOpt = None,
-    generate_dir: Annotated[Optional[Path], typer.Option(help="Sequences to score (default: <run dir>/generate).")] = None,
+    generate_dir: Annotated[Optional[Path], typer.Option(help="Sequences to score (default: <run dir>/generate/latest).")] = None,
     k: Annotated[int, typer.Option(help="Draft tokens per chain.")] = 3,
     max_sequences: Annotated[int, typer.Option()] = 32,
 ) -> None:

@@ -1,103 +1,331 @@
-"""The hero run: every stage of the pipeline as one Prefect flow.
+"""The hero run: every stage of the pipeline as one Prefect flow, with content-addressed caching.
 
     python -m flows.hero_run --config configs/smollm2-cpu.yaml [--set section.field=value ...]
+                             [--stages train,verify] [--force train]
 
-Works without a Prefect server (Prefect starts a temporary one). Stages so far:
-prepare-model -> serve -> smoke chat -> generate -> (server stopped) -> extract -> vocab -> train;
-verify plugs in after train.
+Works without a Prefect server (Prefect starts a temporary one); `make ui` runs it from the UI.
+prepare-model -> [serve -> smoke chat, only if generate has prompts to request] -> generate ->
+(server stopped) -> extract -> vocab -> train -> verify.
+
+Each stage writes ``<run dir>/<stage>/<key>/`` (eagle3/artifacts.py says what each key hashes);
+a stage whose folder is complete is a cache hit and does not run, so rerunning after a failure
+redoes only the failed stage and what depends on it, and an unchanged rerun starts no server
+at all. ``stages`` runs a subset (the others are read from their ``latest`` artifacts: "train
+on the latest artifacts"); ``force`` recomputes stages, and everything after them, from scratch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
+import base64
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.config import load_config
+from eagle3 import PROJECT_ROOT, artifacts
+from eagle3.config import ConfigError, PipelineConfig, load_config
+from eagle3.generate.storage import write_json_atomic
+from tasks.caching import StageCall, call_stage
 from tasks.extract import extract_task
 from tasks.generate import generate_task
 from tasks.prepare_model import prepare_model_task
-from tasks.serve import smoke_chat_task, start_server_task, stop_server_task
+from tasks.serve import LazyServer, stop_recorded_servers
 from tasks.train import train_task
+from tasks.verify import verify_task
 from tasks.vocab import vocab_task
 
-SMOKE_PROMPT = "What is the capital of France? Answer in one sentence."
+Stage = Literal["generate", "extract", "vocab", "train", "verify"]
+ALL_STAGES: list[Stage] = list(artifacts.STAGES)
+DEFAULT_PROFILE = "configs/smollm2-cpu.yaml"
 
 
-@flow(name="hero-run", log_prints=True)
-def hero_run(config: str = "configs/smollm2-cpu.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    cfg = load_config(config, overrides or [])
-    logger = get_run_logger()
-    logger.info("hero run of profile %s (run dir %s)", cfg.name, cfg.paths.run_dir)
-    model = prepare_model_task(cfg)
-    server = start_server_task(cfg, model)
+class HeroRunParams(BaseModel):
+    """What a hero run does; Prefect renders this as the run form in the UI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    profile: str = Field(DEFAULT_PROFILE, description="Profile YAML (relative to the project, e.g. "
+                         "configs/smollm2-cpu.yaml) or a profile name (smollm2-cpu).")
+    overrides: list[str] = Field(default_factory=list, description="section.field=value, value read as YAML: "
+                                 "train.epochs=3, extract.aux_layers=[2,15,27].")
+    stages: list[Stage] = Field(default_factory=lambda: list(ALL_STAGES), description="Stages to run. A stage "
+                                "left out is read from its latest artifact (e.g. ['train']: train on the latest "
+                                "extract and vocab).")
+    force: list[Stage] = Field(default_factory=list, description="Recompute these stages and everything after "
+                               "them from scratch, even when cached.")
+
+
+DEFAULT_PARAMS = HeroRunParams()
+
+
+def resolve_profile(profile: str) -> Path:
+    """A path as given, relative to the project, or a profile name under configs/."""
+    p = Path(profile)
+    for cand in (p, PROJECT_ROOT / p, PROJECT_ROOT / "configs" / f"{profile}.yaml"):
+        if cand.is_file():
+            return cand
+    raise ConfigError(f"profile {profile!r} not found (as a path, under {PROJECT_ROOT}, or as configs/<name>.yaml)")
+
+
+def load_params(params: HeroRunParams) -> PipelineConfig:
+    return load_config(resolve_profile(params.profile), params.overrides)
+
+
+def _stop_servers_hook(flow: Any, flow_run: Any, state: Any) -> None:
+    """Failure, crash and cancellation hook: stop servers this run started that are still up.
+
+    The flow's ``finally`` normally did it already; this covers a flow process that died
+    without unwinding (the hook then runs in the runner's process)."""
     try:
-        answer = smoke_chat_task(server, SMOKE_PROMPT)
-        gen = generate_task(cfg, [server.base_url, *cfg.generate.endpoints], str(cfg.paths.stage_dir("generate")),
-                            tokenizer_path=model if cfg.target.is_embedded else cfg.target.tokenizer)
-    finally:
-        stop_server_task(server)
-    ext = extract_task(cfg, str(cfg.paths.stage_dir("generate")), str(cfg.paths.stage_dir("extract")), model)
-    voc = vocab_task(cfg, str(cfg.paths.stage_dir("extract")), str(cfg.paths.stage_dir("vocab")))
-    trn = train_task(cfg, str(cfg.paths.stage_dir("extract")), str(cfg.paths.stage_dir("vocab") / "vocab.safetensors"),
-                     model, str(cfg.paths.stage_dir("train")))
-    summary = {
-        "profile": cfg.name,
-        "model": model,
-        "server": server.info(),
-        "smoke_chat": {"prompt": SMOKE_PROMPT, **answer.to_dict()},
-        "generate": {"dir": str(cfg.paths.stage_dir("generate")), "totals": gen["totals"],
-                     "this_run": gen["this_run"]},
-        "extract": {"dir": str(cfg.paths.stage_dir("extract")), "samples": ext["samples"], "tokens": ext["tokens"],
-                    "bytes_per_token": ext["bytes_per_token"], "aux_layers": ext["aux_layers"]},
-        "vocab": {"dir": str(cfg.paths.stage_dir("vocab")), "coverage": voc["coverage"],
-                  "draft_vocab_size": voc["draft_vocab_size"]},
-        "train": {"dir": str(cfg.paths.stage_dir("train")), "export": trn["export"], "steps": trn["steps"],
-                  "final_top1": (trn["final"] or {}).get("top1")},
-    }
+        cfg = load_params(HeroRunParams.model_validate((flow_run.parameters or {}).get("params") or {}))
+    except Exception:  # noqa: BLE001 - a hook must not mask the run's own error
+        return
+    for what in stop_recorded_servers(cfg, flow_run_id=str(flow_run.id)):
+        print(f"hero-run {flow_run.name}: stopped {what} left by the run ({state.name})")
+
+
+# ---------------------------------------------------------------------------
+# One stage
+
+
+def _use_latest(cfg: PipelineConfig, stage: str) -> StageCall:
+    found = artifacts.latest(cfg, stage)
+    if found is None:
+        raise RuntimeError(f"stage {stage} is not in this run's stages and {cfg.paths.stage_root(stage)} has no "
+                           f"complete latest artifact: run {stage} first")
+    d, m = found
+    return StageCall(stage, m["key"], str(d), "latest", m.get("result") or {})
+
+
+def _prepare_folder(stage: str, out_dir: Path, key: str, forced: set[str]) -> bool:
+    """Whether the cached result must be refreshed; clears what cannot be trusted.
+
+    A complete folder is a hit. A folder that never finished (no artifact.json) is resumed: every
+    stage continues where it stopped. A finished folder that lost or changed files is rebuilt
+    from scratch (a resume would trust its own bookkeeping), except generate, whose resume reads
+    the samples themselves and so requests exactly the ones that are gone.
+    """
+    logger = get_run_logger()
+    if stage in forced:
+        if out_dir.exists():
+            logger.info("%s: forced, clearing %s", stage, out_dir)
+            shutil.rmtree(out_dir)
+        return True
+    issues = artifacts.problems(out_dir, key)
+    if not issues:
+        return False
+    if out_dir.exists():
+        sealed = artifacts.read_marker(out_dir) is not None
+        if sealed and stage != "generate":
+            logger.warning("%s: %s; rebuilding it", stage, "; ".join(issues[:3]))
+            shutil.rmtree(out_dir)
+        else:
+            (out_dir / artifacts.MARKER).unlink(missing_ok=True)
+            logger.info("%s: resuming in %s (%s)", stage, out_dir, issues[0])
+    return True
+
+
+def _run_stage(stage: str, task: Any, cfg: PipelineConfig, key: str, inputs: dict[str, str], forced: set[str],
+               refresh: bool | None = None, **kwargs: Any) -> StageCall:
+    out_dir = cfg.paths.artifact_dir(stage, key)
+    if refresh is None:
+        refresh = _prepare_folder(stage, out_dir, key, forced)
+    call = call_stage(task, cfg, stage, out_dir, refresh, **kwargs)
+    if call.status == "ran" or artifacts.read_marker(out_dir) is None:
+        artifacts.seal(out_dir, stage, key, inputs, result=artifacts.summary(cfg, stage, call.result, out_dir, inputs),
+                       config=artifacts.stage_config(cfg, stage))
+    artifacts.set_latest(cfg, stage, key)
+    call.result = {**(artifacts.read_marker(out_dir) or {}).get("result", {}), "task": call.result}
+    return call
+
+
+def _generate(cfg: PipelineConfig, model: str, server: LazyServer, forced: set[str]) -> tuple[StageCall, dict]:
+    """Generate, deciding before any server starts whether there is anything to request."""
+    logger = get_run_logger()
+    key = artifacts.stage_key(cfg, "generate")
+    out_dir = cfg.paths.artifact_dir("generate", key)
+    refresh = _prepare_folder("generate", out_dir, key, forced)
+    status = artifacts.generate_status(cfg, key)
+    needs_server = status.pending > 0 or not (out_dir / "manifest.json").is_file()
+    logger.info("generate: %d prompts selected, %d in the folder, %d to request, %d rejected for good%s",
+                status.selected, status.done, status.pending, status.rejected,
+                "" if needs_server else ": no server needed")
+    urls = server.base_urls() if needs_server else []
+    tokenizer = model if cfg.target.is_embedded else cfg.target.tokenizer
+    call = _run_stage("generate", generate_task, cfg, key, {}, forced, refresh=refresh or not status.up_to_date,
+                      selection=status.selection, base_urls=urls, tokenizer_path=tokenizer)
+    return call, status.to_dict()
+
+
+# ---------------------------------------------------------------------------
+# The report
+
+
+def _png_markdown(path: Path, title: str) -> str:
+    """A plot inline (data URI): the UI shows it without access to the run's disk."""
+    if not path.is_file() or path.stat().st_size > 400_000:
+        return ""
+    return f"\n### {title}\n\n![{title}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})\n"
+
+
+def _report(cfg: PipelineConfig, summary: dict[str, Any]) -> None:
+    """hero-run.json in the run dir, and the UI's markdown summary and tables."""
     cfg.paths.run_dir.mkdir(parents=True, exist_ok=True)
-    out = cfg.paths.run_dir / "hero-run.json"
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(out)
-    create_markdown_artifact(
-        key="hero-run-summary",
-        markdown=(
-            f"# Hero run: {cfg.name}\n\n- target: `{model}`\n- server ready in {server.ready_s:.1f} s\n"
-            f"- smoke chat: {answer.content!r} ({len(answer.completion_token_ids)} tokens, "
-            f"{answer.latency_s:.2f} s)\n"
-            f"- generate: {gen['totals']['samples']} samples, {gen['totals']['completion_tokens']} completion tokens, "
-            f"{gen['this_run']['completion_tokens_per_s']} tok/s this run; errors {gen['totals']['errors_by_kind']}\n"
-            f"- extract: {ext['samples']} samples, {ext['tokens']} tokens, layers {ext['aux_layers']}, "
-            f"{ext['bytes_per_token']} bytes/token\n"
-            f"- vocab: {voc['draft_vocab_size']} draft ids cover {voc['coverage']:.2%} of loss tokens\n"
-            f"- train: {trn['steps']} steps, final top-1 per TTT step {(trn['final'] or {}).get('top1')}; "
-            f"draft at `{trn['export']}`\n"
-        ),
-    )
+    write_json_atomic(cfg.paths.run_dir / "hero-run.json", summary)
+    stages = summary["stages"]
+    rows = [{"stage": s, "status": c["status"], "key": c["key"], "task s": c["task_wall_s"],
+             "library s": c["lib_wall_s"], "Prefect overhead s": c["overhead_s"]} for s, c in stages.items()]
+    create_table_artifact(key="hero-run-stages", table=rows, description="Stages of this hero run: cache hits, "
+                          "wall time, Prefect's overhead")
+    lines = [f"# Hero run: {summary['profile']}", "",
+             f"- target: `{summary['model']}`",
+             f"- run dir: `{summary['run_dir']}`; wall time {summary['wall_s']:.1f} s",
+             f"- server: {'none started (nothing to request)' if not summary['server'] else summary['server']}"]
+    if summary.get("smoke_chat"):
+        lines.append(f"- smoke chat: {summary['smoke_chat']['content']!r}")
+    info = {s: c.get("info", {}) for s, c in stages.items()}
+    if "generate" in info:
+        g = info["generate"]
+        lines.append(f"- generate: {g.get('samples')} samples, {g.get('completion_tokens')} completion tokens, "
+                     f"errors {g.get('errors_by_kind')}")
+    if "extract" in info:
+        e = info["extract"]
+        lines.append(f"- extract: {e.get('samples')} samples, {e.get('tokens')} tokens, layers {e.get('aux_layers')}")
+    if "vocab" in info:
+        v = info["vocab"]
+        lines.append(f"- vocab: {v.get('draft_vocab_size')} draft ids cover {v.get('coverage', 0):.2%} of loss tokens")
+    if "train" in info:
+        t = info["train"]
+        lines.append(f"- train: {t.get('steps')} steps, final top-1 per TTT step {t.get('final_top1')}")
+    if summary.get("acceptance_length") is not None or "verify" in info:
+        v = info.get("verify", {})
+        lines.append(f"- **verify: acceptance length {summary.get('acceptance_length')}**, speedup {v.get('speedup')}, "
+                     f"gate {(v.get('gate') or {}).get('passed')}")
+    if summary.get("failed"):
+        lines.append(f"- **failed in {summary['failed']['stage']}**: {summary['failed']['error']}")
+    lines += ["", "| stage | status | key | task s | library s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['stage']} | {r['status']} | `{r['key']}` | {r['task s']} | {r['library s']} |" for r in rows]
+    for stage, name, title in (("vocab", "coverage.png", "Vocabulary coverage"),
+                               ("train", "metrics.png", "Training metrics"),
+                               ("verify", "report.png", "Verify: acceptance and speedup")):
+        if stage in stages:
+            lines.append(_png_markdown(Path(stages[stage]["dir"]) / name, title))
+    create_markdown_artifact(key="hero-run-summary", markdown="\n".join(lines), description="Hero run summary")
+
+
+# ---------------------------------------------------------------------------
+# The flow
+
+
+@flow(name="hero-run", log_prints=True, on_failure=[_stop_servers_hook], on_crashed=[_stop_servers_hook],
+      on_cancellation=[_stop_servers_hook])
+def hero_run(params: HeroRunParams = DEFAULT_PARAMS) -> dict[str, Any]:
+    """Run the selected stages of a profile; cached stages are reused, not recomputed."""
+    started = time.monotonic()
+    cfg = load_params(params)
+    selected = set(params.stages)
+    forced = artifacts.dependants(params.force) & selected
+    logger = get_run_logger()
+    logger.info("hero run of profile %s (run dir %s): stages %s, forced %s", cfg.name, cfg.paths.run_dir,
+                [s for s in ALL_STAGES if s in selected], sorted(forced))
+    model = prepare_model_task(cfg)
+    server = LazyServer(cfg, model)
+    calls: dict[str, StageCall] = {}
+    summary: dict[str, Any] = {"profile": cfg.name, "run_dir": str(cfg.paths.run_dir), "model": model,
+                               "params": params.model_dump(mode="json"), "stages": {}, "server": None,
+                               "smoke_chat": None, "generate_status": None, "acceptance_length": None,
+                               "failed": None}
+    current = "generate"
+    try:
+        try:
+            if "generate" in selected:
+                calls["generate"], summary["generate_status"] = _generate(cfg, model, server, forced)
+            else:
+                calls["generate"] = _use_latest(cfg, "generate")
+        finally:
+            summary["server"] = server.info()
+            summary["smoke_chat"] = server.smoke.to_dict() if server.smoke else None
+            server.stop()  # one server at a time: extract (vllm backend) and verify start their own
+
+        def stage(name: str, task: Any, inputs: dict[str, str], **kwargs: Any) -> StageCall:
+            nonlocal current
+            current = name
+            if name not in selected:
+                return _use_latest(cfg, name)
+            return _run_stage(name, task, cfg, artifacts.stage_key(cfg, name, inputs), inputs, forced, **kwargs)
+
+        gen_dir = Path(calls["generate"].out_dir)
+        calls["extract"] = stage("extract", extract_task, {"generate": calls["generate"].result["data_key"]},
+                                 generate_dir=str(gen_dir), model_path=model)
+        ext_dir = calls["extract"].out_dir
+        calls["vocab"] = stage("vocab", vocab_task, {"extract": calls["extract"].result["tokens_key"]},
+                               extract_dir=ext_dir)
+        calls["train"] = stage("train", train_task, {"extract": calls["extract"].key, "vocab": calls["vocab"].key},
+                               extract_dir=ext_dir, vocab_path=str(Path(calls["vocab"].out_dir) / "vocab.safetensors"),
+                               target_dir=model)
+        if "verify" in selected:
+            calls["verify"] = stage("verify", verify_task, {"train": calls["train"].key}, model=model,
+                                    draft_dir=str(Path(calls["train"].out_dir) / "vllm-draft"))
+            summary["acceptance_length"] = calls["verify"].result.get("acceptance_length")
+    except BaseException as e:
+        summary["failed"] = {"stage": current, "error": f"{type(e).__name__}: {e}"[:2000]}
+        if current == "verify":  # a failed gate still wrote its report: show it
+            report = cfg.paths.artifact_dir("verify", artifacts.stage_key(cfg, "verify", {"train": calls["train"].key}))
+            summary["verify_report"] = str(report / "report.md") if (report / "report.md").exists() else None
+        raise
+    finally:
+        for name, call in calls.items():
+            summary["stages"][name] = {**call.to_dict(), "info": {k: v for k, v in call.result.items() if k != "task"}}
+        if summary["failed"]:
+            summary["stages"][summary["failed"]["stage"]] = {"status": "failed", "key": None, "dir": None,
+                                                           "state": "Failed", "task_wall_s": 0, "lib_wall_s": 0,
+                                                           "overhead_s": 0, "info": {}}
+        summary["wall_s"] = round(time.monotonic() - started, 2)
+        try:
+            _report(cfg, summary)
+        except Exception as report_error:  # noqa: BLE001 - never hide the run's own error behind the report's
+            logger.warning("could not write the hero-run report: %s", report_error)
+    logger.info("hero run done in %.1f s: %s", summary["wall_s"],
+                ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items()))
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--config", "-c", default="configs/smollm2-cpu.yaml")
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", "-c", "--profile", dest="profile", default=DEFAULT_PROFILE)
     ap.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument("--stages", default=",".join(ALL_STAGES), help="comma-separated subset of " + ",".join(ALL_STAGES))
+    ap.add_argument("--force", default="", help="comma-separated stages to recompute (with everything after them)")
     args = ap.parse_args(argv)
-    summary = hero_run(config=args.config, overrides=args.overrides)
-    chat = summary["smoke_chat"]
-    print(f"\nHero run {summary['profile']} finished: server ready in {summary['server']['ready_s']} s")
-    print(f"Q: {chat['prompt']}\nA: {chat['content']}  ({len(chat['completion_token_ids'])} tokens)")
-    gen = summary["generate"]
-    print(f"generate: {gen['totals']['samples']} samples in {gen['dir']} "
-          f"({gen['this_run']['completion_tokens_per_s']} tok/s this run)")
-    print(f"extract: {summary['extract']['samples']} samples, {summary['extract']['tokens']} tokens; "
-          f"vocab: {summary['vocab']['draft_vocab_size']} ids cover {summary['vocab']['coverage']:.2%}")
-    t = summary["train"]
-    top1 = [round(x, 3) for x in (t["final_top1"] or []) if x is not None]
-    print(f"train: {t['steps']} steps, final top-1 per TTT step {top1}; draft for vLLM at {t['export']}")
+    split = lambda text: [s for s in text.split(",") if s]
+    params = HeroRunParams(profile=args.profile, overrides=args.overrides, stages=split(args.stages),
+                           force=split(args.force))
+    summary = hero_run(params)
+    statuses = ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items())
+    print(f"\nHero run {summary['profile']} finished in {summary['wall_s']} s ({statuses})")
+    if summary["smoke_chat"]:
+        print(f"server ready in {summary['server']['ready_s']} s; Q: What is the capital of France? "
+              f"A: {summary['smoke_chat']['content']}")
+    info = {s: c["info"] for s, c in summary["stages"].items()}
+    g, e, v, t = (info.get(s, {}) for s in ("generate", "extract", "vocab", "train"))
+    print(f"generate: {g.get('samples')} samples; extract: {e.get('samples')} samples, {e.get('tokens')} tokens; "
+          f"vocab: {v.get('draft_vocab_size')} ids cover {v.get('coverage', 0):.2%}")
+    top1 = [round(x, 3) for x in (t.get("final_top1") or []) if x is not None]
+    print(f"train: {t.get('steps')} steps, final top-1 per TTT step {top1}; draft for vLLM at "
+          f"{Path(summary['stages']['train']['dir']) / 'vllm-draft'}")
+    if "verify" in info:
+        vf = info["verify"]
+        per_pos = [round(x, 3) for x in (vf.get("acceptance_per_position") or [])]
+        print(f"verify: speedup {vf.get('speedup')}, acceptance per position {per_pos}, "
+              f"gate {'passed' if (vf.get('gate') or {}).get('passed') else 'FAILED'}"
+              f"{', promoted to ' + vf['promoted'] if vf.get('promoted') else ''}")
+        print(f"acceptance length: {summary['acceptance_length']}")
+    return summary
 
 
 if __name__ == "__main__":

@@ -6,15 +6,22 @@ import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig
 from eagle3.extract.runner import extract
+from tasks.caching import ARTIFACT_KEY
+from tasks.retries import TIMEOUT_S, transient_only
 
 
-@task(name="extract", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE, persist_result=False)
-def extract_task(cfg: PipelineConfig, generate_dir: str, out_dir: str, model_path: str) -> dict:
+@task(name="extract", cache_policy=ARTIFACT_KEY, retries=1, retry_delay_seconds=exponential_backoff(30),
+      retry_condition_fn=transient_only, timeout_seconds=TIMEOUT_S["extract"])
+def extract_task(cfg: PipelineConfig, out_dir: str, generate_dir: str, model_path: str) -> dict:
     logger = get_run_logger()
     artifact = create_progress_artifact(0.0, key="extract-progress", description="extract: samples stored")
     last = [0.0]
@@ -24,7 +31,9 @@ def extract_task(cfg: PipelineConfig, generate_dir: str, out_dir: str, model_pat
             last[0] = time.monotonic()
             update_progress_artifact(artifact, min(100.0, 100.0 * done / total))
 
+    t0 = time.monotonic()
     m = extract(cfg, Path(generate_dir), Path(out_dir), model_path, on_progress=progress)
+    lib_wall = time.monotonic() - t0
     update_progress_artifact(artifact, 100.0)
     logger.info("extract: %d samples, %d tokens, %.0f bytes/token", m["samples"], m["tokens"], m["bytes_per_token"])
     create_table_artifact(
@@ -36,4 +45,4 @@ def extract_task(cfg: PipelineConfig, generate_dir: str, out_dir: str, model_pat
             ("non-finite", m["this_run"]["nonfinite"]), ("truncated", m["this_run"]["truncated"])]],
         description="Hidden-state extraction",
     )
-    return m
+    return {**m, "lib_wall_s": round(lib_wall, 3)}

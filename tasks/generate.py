@@ -1,7 +1,9 @@
 """Prefect task around `eagle3.generate.runner.generate`.
 
 A retry is a resume: samples already in the shards are skipped, so only what failed or was
-never sent is requested again. Progress is a Prefect progress artifact; the generation
+never sent is requested again. The flow decides before starting any server whether there is
+anything to request (``eagle3.artifacts.generate_status``); called without endpoints, the task
+only reports what the folder holds. Progress is a Prefect progress artifact; the generation
 statistics are a table artifact.
 """
 
@@ -11,20 +13,57 @@ import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.tasks import exponential_backoff
 
+from eagle3.artifacts import generate_status
 from eagle3.config import PipelineConfig
 from eagle3.generate.profile import profile_concurrency
-from eagle3.generate.runner import Progress, generate
+from eagle3.generate.runner import Progress, generate, read_manifest
+from tasks.caching import GENERATE_KEY
+from tasks.retries import TIMEOUT_S, transient_only
 
 
-@task(name="generate", retries=2, retry_delay_seconds=30, cache_policy=NO_CACHE, persist_result=False)
-def generate_task(cfg: PipelineConfig, base_urls: list[str], out_dir: str, tokenizer_path: str | None = None) -> dict:
+def _summary(manifest: dict, lib_wall_s: float, requested: bool) -> dict:
+    """The small JSON result Prefect keeps (the full manifest stays in the folder)."""
+    run = manifest.get("this_run", {})
+    return {
+        "totals": manifest["totals"],
+        "requested": requested,
+        "this_run": {k: run.get(k) for k in ("resumed_from", "counts", "wall_s", "completion_tokens",
+                                             "completion_tokens_per_s", "requests_per_s")} if requested else None,
+        "concurrency": manifest.get("concurrency"),
+        "dataset": manifest.get("dataset"),
+        "tokenizer_fingerprint": manifest.get("tokenizer_fingerprint"),
+        "lib_wall_s": round(lib_wall_s, 3),
+    }
+
+
+@task(name="generate", cache_policy=GENERATE_KEY, retries=2, retry_delay_seconds=exponential_backoff(30),
+      retry_jitter_factor=0.5, retry_condition_fn=transient_only, timeout_seconds=TIMEOUT_S["generate"])
+def generate_task(cfg: PipelineConfig, out_dir: str, selection: str, base_urls: list[str],
+                  tokenizer_path: str | None = None) -> dict:
+    """Request every selected prompt not yet answered (``selection`` only keys the cache)."""
     logger = get_run_logger()
+    out = Path(out_dir)
+    if not base_urls:
+        status = generate_status(cfg, key=out.name)
+        if status.pending:
+            raise RuntimeError(f"generate: {status.pending} prompts to request but no server was started")
+        if not (out / "manifest.json").is_file():
+            raise FileNotFoundError(f"{out}: no manifest.json and nothing to request (does the profile select "
+                                    "any prompt?)")
+        logger.info("generate: nothing to request (%d samples in %s, %d rejected for good)", status.done, out,
+                    status.rejected)
+        return _summary(read_manifest(out), 0.0, requested=False)
+
     concurrency = cfg.generate.concurrency
     if concurrency == "auto":
-        report = profile_concurrency(cfg, base_urls, Path(out_dir) / "profile")
+        report = profile_concurrency(cfg, base_urls, out / "profile")
         concurrency = report["knee"]
         logger.info("concurrency auto -> %d (best %d at %.0f tok/s)", concurrency, report["best"],
                     report["best_tokens_per_s"])
@@ -37,8 +76,10 @@ def generate_task(cfg: PipelineConfig, base_urls: list[str], out_dir: str, token
             update_progress_artifact(artifact, min(100.0, 100.0 * (p.done + p.failed + p.skipped) / p.total))
             logger.info("generate: %d done, %d errors, %.0f tok/s", p.done, p.failed + p.skipped, p.tokens_per_s)
 
-    manifest = generate(cfg, base_urls, Path(out_dir), concurrency=concurrency, tokenizer_path=tokenizer_path,
+    t0 = time.monotonic()
+    manifest = generate(cfg, base_urls, out, concurrency=concurrency, tokenizer_path=tokenizer_path,
                         on_progress=report_progress)
+    lib_wall = time.monotonic() - t0
     update_progress_artifact(artifact, 100.0)
     run, totals = manifest["this_run"], manifest["totals"]
     create_table_artifact(
@@ -55,4 +96,4 @@ def generate_task(cfg: PipelineConfig, base_urls: list[str], out_dir: str, token
         ],
         description="Generation statistics",
     )
-    return manifest
+    return _summary(manifest, lib_wall, requested=True)

@@ -7,15 +7,23 @@ import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig
 from eagle3.train import train
+from tasks.caching import ARTIFACT_KEY
+from tasks.retries import TIMEOUT_S, transient_only
 
 
-@task(name="train", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE, persist_result=False)
-def train_task(cfg: PipelineConfig, extract_dir: str, vocab_path: str, target_dir: str, out_dir: str) -> dict:
+@task(name="train", cache_policy=ARTIFACT_KEY, retries=1, retry_delay_seconds=exponential_backoff(30),
+      retry_condition_fn=transient_only, timeout_seconds=TIMEOUT_S["train"])
+def train_task(cfg: PipelineConfig, out_dir: str, extract_dir: str, vocab_path: str, target_dir: str) -> dict:
     logger = get_run_logger()
     artifact = create_progress_artifact(0.0, key="train-progress", description="train: optimizer steps")
     last = [0.0]
@@ -26,7 +34,9 @@ def train_task(cfg: PipelineConfig, extract_dir: str, vocab_path: str, target_di
             update_progress_artifact(artifact, 100.0 * p["step"] / max(p["total_steps"], 1))
             logger.info("train: step %d/%d loss %s", p["step"], p["total_steps"], p["loss"])
 
+    t0 = time.monotonic()
     m = train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress=progress)
+    lib_wall = time.monotonic() - t0
     history = json.loads((Path(out_dir) / "metrics.json").read_text())["epochs"]
     rows = [{"epoch": e["epoch"], "loss per step": str([round(x, 4) for x in e["loss"] if x is not None]),
              "top-1 per step": str([round(x, 3) for x in e["top1"] if x is not None])} for e in history]
@@ -37,4 +47,4 @@ def train_task(cfg: PipelineConfig, extract_dir: str, vocab_path: str, target_di
         f"# Draft trained\n\n- steps: {m['steps']} ({m['skipped_nan']} skipped for NaN)\n"
         f"- final top-1 per TTT step: {final.get('top1')}\n- export: `{m['export']}`\n"
         f"- plot: `{Path(out_dir) / 'metrics.png'}`\n"))
-    return m
+    return {**m, "lib_wall_s": round(lib_wall, 3)}

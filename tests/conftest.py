@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,56 @@ def trained_draft(gen_dir, smol_model, tmp_path_factory) -> Path:
     m = train(cfg, root / "extract", root / "vocab" / "vocab.safetensors", smol_model, root / "train")
     assert m["complete"] and m["steps"] > 0
     return Path(m["export"])
+
+
+# ---------------------------------------------------------------------------
+# The hero-run flow: one Prefect backend and one finished tiny hero run per session
+
+
+TINY_STAGES = ["generate", "extract", "vocab", "train"]
+
+
+@pytest.fixture(scope="session")
+def prefect_backend():
+    """A temporary Prefect server and database for the in-process flow tests."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@dataclass
+class TinyHero:
+    runs_dir: Path
+    dataset: Path
+    overrides: list[str]
+    summary: dict
+
+    def with_runs_dir(self, runs_dir: Path) -> list[str]:
+        return [o for o in self.overrides if not o.startswith("paths.runs_dir=")] + [f"paths.runs_dir={runs_dir}"]
+
+
+def tiny_hero_overrides(runs_dir: Path, dataset: Path, base_url: str) -> list[str]:
+    """The CPU profile shrunk to seconds per stage, against an external (already running) server."""
+    return ["serve.backend=external", f"serve.base_url={base_url}", f"paths.runs_dir={runs_dir}",
+            f"generate.dataset={dataset}", "generate.num_samples=null", "generate.max_tokens=16",
+            "generate.concurrency=4", "train.epochs=1", "vocab.draft_vocab_size=256",
+            "verify.workload=mt_bench", "verify.num_prompts=2", "verify.turns=1", "verify.max_tokens=16",
+            "verify.concurrency=[1]", "verify.warmup_requests=0", "verify.offline_estimate=false",
+            "verify.min_acceptance_length=1.0"]  # a 1-epoch draft on 4 samples barely beats 1
+
+
+@pytest.fixture(scope="session")
+def tiny_hero(prefect_backend, vllm_server, tmp_path_factory) -> TinyHero:
+    """A finished hero run (generate .. train) of 4 prompts against the session's vLLM server.
+
+    Tests that change its folder work on a copy (``TinyHero.with_runs_dir``): every stage of the
+    copy is a cache hit, as the artifacts and Prefect's records travel together."""
+    from flows.hero_run import HeroRunParams, hero_run
+
+    root = tmp_path_factory.mktemp("tiny-hero")
+    dataset = root / "prompts.jsonl"
+    dataset.write_text("".join((ROOT / "configs" / "data" / "demo-prompts.jsonl").read_text().splitlines(True)[:4]))
+    overrides = tiny_hero_overrides(root / "runs", dataset, vllm_server.base_url)
+    summary = hero_run(HeroRunParams(profile=str(CPU_PROFILE), overrides=overrides, stages=TINY_STAGES))
+    return TinyHero(root / "runs", dataset, overrides, summary)

@@ -1,40 +1,69 @@
 """The hero-run flow under a Prefect test harness, against the session's real vLLM server
-(attached through the external backend, so this test does not pay another server start)."""
+(attached through the external backend, so these tests do not pay another server start)."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
-from flows.hero_run import hero_run
-from tests.conftest import CPU_PROFILE
+from tests.conftest import CPU_PROFILE, TINY_STAGES
 
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def prefect_backend():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+def test_hero_run_flow(tiny_hero, vllm_server):
+    """The session's tiny hero run: every stage ran, wrote its keyed folder and sealed it."""
+    from eagle3 import artifacts
 
-
-def test_hero_run_flow(prefect_backend, vllm_server, tmp_path):
-    summary = hero_run(
-        config=str(CPU_PROFILE),
-        overrides=["serve.backend=external", f"serve.base_url={vllm_server.base_url}", f"paths.runs_dir={tmp_path}",
-                   "generate.num_samples=4", "generate.max_tokens=16", "train.epochs=1", "vocab.draft_vocab_size=256"],
-    )
+    summary, run_dir = tiny_hero.summary, tiny_hero.runs_dir / "smollm2-cpu"
+    assert list(summary["stages"]) == TINY_STAGES
+    assert all(s["status"] == "ran" and s["state"] == "Completed" for s in summary["stages"].values())
+    # generate had prompts to request: the flow attached to the external server and smoke-tested it
     assert summary["server"]["backend"] == "external" and not summary["server"]["started_here"]
-    assert "paris" in summary["smoke_chat"]["content"].lower()
-    assert summary["smoke_chat"]["completion_token_ids"]
-    on_disk = json.loads((tmp_path / "smollm2-cpu" / "hero-run.json").read_text())
+    assert "paris" in summary["smoke_chat"]["content"].lower() and summary["smoke_chat"]["completion_token_ids"]
+    assert summary["generate_status"]["pending"] == 4 and summary["failed"] is None
+    on_disk = json.loads((run_dir / "hero-run.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
-    gen = summary["generate"]
-    assert gen["totals"]["samples"] == 4 and gen["this_run"]["counts"]["generated"] == 4
-    assert (tmp_path / "smollm2-cpu" / "generate" / "manifest.json").exists()
-    assert summary["extract"]["samples"] == 4 and summary["extract"]["aux_layers"] == [2, 15, 27]
-    assert 0 < summary["vocab"]["coverage"] <= 1
-    assert (tmp_path / "smollm2-cpu" / "vocab" / "vocab.safetensors").exists()
-    assert summary["train"]["steps"] >= 1
-    assert (tmp_path / "smollm2-cpu" / "train" / "vllm-draft" / "config.json").exists()
+    info = {s: c["info"] for s, c in summary["stages"].items()}
+    assert info["generate"]["samples"] == 4 and info["extract"]["samples"] == 4
+    assert info["extract"]["aux_layers"] == [2, 15, 27]
+    assert 0 < info["vocab"]["coverage"] <= 1 and info["train"]["steps"] >= 1
+    for stage, c in summary["stages"].items():
+        folder = Path(c["dir"])
+        assert folder == run_dir / stage / c["key"] and artifacts.is_complete(folder, c["key"])
+        assert (run_dir / stage / "latest").resolve() == folder
+    assert (Path(summary["stages"]["train"]["dir"]) / "vllm-draft" / "config.json").exists()
+    # a stage's task took longer than its library call, by Prefect's bookkeeping only
+    assert all(0 <= c["overhead_s"] < 5 for c in summary["stages"].values())
     assert vllm_server.base_url  # the shared server is still there: external runs never stop it
+
+
+def test_hero_run_with_verify_prints_acceptance_length(tiny_hero, smol_model, tmp_path, capsys):
+    """The whole hero run through `python -m flows.hero_run` (what `make demo` runs): the earlier
+    stages are cache hits, verify measures the shared server (baseline) against target + the
+    draft the hero run trained (speculative), and the run ends by printing the acceptance length."""
+    from eagle3.config import load_config
+    from eagle3.serving.server import start_server
+    from flows.hero_run import main
+
+    runs = tmp_path / "runs"
+    shutil.copytree(tiny_hero.runs_dir, runs, symlinks=True)
+    draft = runs / "smollm2-cpu" / "train" / "latest" / "vllm-draft"
+    cfg = load_config(CPU_PROFILE, ["serve.port=0"])
+    spec = {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": cfg.verify.num_speculative_tokens}
+    with start_server(cfg, str(smol_model), speculative_config=spec, log_dir=tmp_path / "spec-logs") as server:
+        argv = ["--config", str(CPU_PROFILE)]
+        for o in [*tiny_hero.with_runs_dir(runs), f"verify.speculative_base_url={server.base_url}"]:
+            argv += ["--set", o]
+        summary = main(argv)
+    out = capsys.readouterr().out
+    stages = summary["stages"]
+    assert [stages[s]["status"] for s in TINY_STAGES] == ["cached"] * 4 and stages["verify"]["status"] == "ran"
+    assert summary["server"] is None  # nothing to generate: no target server was started for generate
+    al = summary["acceptance_length"]
+    assert al is not None and 1.0 <= al <= 1 + cfg.verify.num_speculative_tokens
+    assert f"acceptance length: {al}" in out.splitlines()[-1]
+    verify_dir = Path(stages["verify"]["dir"])
+    assert (verify_dir / "report.json").is_file() and stages["verify"]["info"]["gate"]["passed"]
+    assert json.loads((verify_dir / "report.json").read_text())["acceptance_length"] == al
