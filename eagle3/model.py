@@ -71,8 +71,31 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+class ConfigMethods:
+    """What both draft configs (this module's and :mod:`eagle3.model_mla`'s dataclasses) derive
+    the same way from their fields ``rope_scaling``, ``target_hidden_size`` and ``aux_layer_ids``."""
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default")
+
+    @property
+    def fc_input_size(self) -> int:
+        return self.target_hidden_size * len(self.aux_layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
 @dataclass
-class DraftConfig:
+class DraftConfig(ConfigMethods):
     """Everything the draft's shapes and forward depend on (and what the export writes)."""
 
     hidden_size: int
@@ -116,23 +139,6 @@ class DraftConfig:
             raise ValueError(f"rope type {rope_type!r} not supported (supported: {SUPPORTED_ROPE_TYPES}); "
                              "override rope_scaling=None to use plain RoPE")
 
-    @property
-    def rope_type(self) -> str:
-        if not self.rope_scaling:
-            return "default"
-        return str(self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default")
-
-    @property
-    def fc_input_size(self) -> int:
-        return self.target_hidden_size * len(self.aux_layer_ids)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod
     def from_target(

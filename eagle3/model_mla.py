@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.model import MLP, Eagle3Draft, KVCache, MidLayer, RMSNorm, _read_config, _rope_from_config
+from eagle3.model import MLP, ConfigMethods, Eagle3Draft, KVCache, MidLayer, RMSNorm, _read_config, _rope_from_config
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -77,7 +77,7 @@ MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_di
 
 
 @dataclass
-class MLADraftConfig:
+class MLADraftConfig(ConfigMethods):
     """Shapes and forward settings of the MLA draft (what the export writes)."""
 
     hidden_size: int
@@ -127,26 +127,8 @@ class MLADraftConfig:
                 raise ValueError(f"YaRN rope_scaling needs {missing}")
 
     @property
-    def rope_type(self) -> str:
-        if not self.rope_scaling:
-            return "default"
-        return str(self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default")
-
-    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def fc_input_size(self) -> int:
-        return self.target_hidden_size * len(self.aux_layer_ids)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "MLADraftConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod
     def from_target(
