@@ -62,8 +62,8 @@ GENERATE_EXCLUDED = {"endpoints", "balancing", "concurrency", "concurrency_ceili
                      "max_attempts", "backoff_base_s", "backoff_max_s", "retry_rejected", "shard_size",
                      "profile_levels", "profile_prompts", "profile_max_tokens", "profile_knee"}
 EXTRACT_EXCLUDED = {"token_budget", "samples_per_shard", "chunk_samples", "device", "vllm_concurrency"}
-TRAIN_EXCLUDED = {"checkpoint_every_steps", "distributed", "grad_accum"}  # grad_accum: see stage_config
-VERIFY_EXCLUDED = {"timeout_s", "speculative_base_url", "speculative_unit"}
+TRAIN_EXCLUDED = {"checkpoint_every_steps", "distributed", "grad_accum", "nproc_per_node"}  # see stage_config
+VERIFY_EXCLUDED = {"timeout_s", "speculative_base_url", "speculative_unit", "candidate_link"}
 
 
 def digest(obj: Any, n: int = 16) -> str:
@@ -121,7 +121,8 @@ def stage_config(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
         t = cfg.train.model_dump(mode="json", exclude=TRAIN_EXCLUDED)
         # One optimizer step takes world size x grad_accum batches: 2 ranks with grad_accum 1 train
         # the same draft as 1 process with grad_accum 2 (DDP or FSDP alike), so that product is the key.
-        t["batches_per_step"] = int(os.environ.get("WORLD_SIZE", "1")) * cfg.train.grad_accum
+        world = int(os.environ.get("WORLD_SIZE") or cfg.train.nproc_per_node)  # torchrun's, or the one we launch
+        t["batches_per_step"] = world * cfg.train.grad_accum
         return {"target": target_identity(cfg), "train": t, "aux_layers": cfg.aux_layers}
     if stage == "verify":
         return {"target": target_identity(cfg), "verify": cfg.verify.model_dump(mode="json", exclude=VERIFY_EXCLUDED),

@@ -233,6 +233,8 @@ class TrainConfig(_Section):
     # world_size x grad_accum batches, so a run on W ranks is reproduced (and resumed) on one
     # process with grad_accum = W.
     grad_accum: int = Field(1, ge=1)
+    nproc_per_node: int = Field(1, ge=1, description="The hero run's train task starts "
+                                "this many local ranks with torchrun (one per GPU); 1 trains in-process.")
 
 
 class VerifyConfig(_Section):

@@ -35,7 +35,13 @@ def train_task(cfg: PipelineConfig, out_dir: str, extract_dir: str, vocab_path: 
             logger.info("train: step %d/%d loss %s", p["step"], p["total_steps"], p["loss"])
 
     t0 = time.monotonic()
-    m = train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress=progress)
+    if cfg.train.nproc_per_node > 1:  # one rank per GPU under torchrun; rank 0 writes the manifest
+        from eagle3.launch import torchrun_train
+
+        m = torchrun_train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir),
+                           cfg.train.nproc_per_node, log=logger.info)
+    else:
+        m = train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress=progress)
     lib_wall = time.monotonic() - t0
     history = json.loads((Path(out_dir) / "metrics.json").read_text())["epochs"]
     rows = [{"epoch": e["epoch"], "loss per step": str([round(x, 4) for x in e["loss"] if x is not None]),

@@ -247,6 +247,23 @@ def test_cli_under_torchrun(runs):
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
 
 
+def test_launcher_runs_torchrun_for_the_hero_run(runs):
+    """train.nproc_per_node > 1: the Prefect task's launcher (eagle3.launch) starts torchrun itself
+    and returns rank 0's manifest; same draft as the DDP run above."""
+    from eagle3.launch import torchrun_train
+
+    tmp, _, _ = runs
+    target, ext, vocab = paths(tmp)
+    cfg = cfg_for()
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"nproc_per_node": WORLD})})
+    man = torchrun_train(cfg, ext, vocab, target, tmp / "launched", WORLD, log=lambda _: None)
+    assert man["complete"] and man["distributed"]["world_size"] == WORLD
+    assert (tmp / "launched" / "torchrun.log").stat().st_size > 0
+    a, b = ckpt(tmp / "launched"), ckpt(tmp / "ddp")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+
+
 if __name__ == "__main__":
     assert sys.argv[1] == "worker"
     worker(Path(sys.argv[2]))
