@@ -99,6 +99,9 @@ def serve(
                 typer.echo(json.dumps(r.to_dict(), indent=2))
             if hold:
                 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+                # Started from a background job (`cmd &` in a script), SIGINT arrives ignored and
+                # Python keeps it so: Ctrl-C / kill -INT must still stop the server.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 typer.echo("serving; Ctrl-C stops the server")
                 while True:
                     time.sleep(3600)
