@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import pytest
 import torch
 
@@ -58,29 +57,15 @@ def tiny_cfg(tiny):
     return cfg
 
 
-def test_tiny_deepseek_v3_serves(tiny, tmp_path):
+def test_tiny_deepseek_v3_checkpoint_layout(tiny):
+    """Per-expert MoE weights, the layout vLLM's DeepseekV2 loader reads. That vLLM serves this
+    target (completions and chat) is tests/test_kimi_family_e2e.py's hero run."""
     from safetensors import safe_open
-
-    from eagle3.serving.readiness import auth_headers
-    from eagle3.serving.server import start_server
 
     with safe_open(str(tiny / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in keys, "per-expert layout (what vLLM loads)"
     assert not any("gate_up_proj" in k for k in keys)
-
-    cfg = tiny_cfg(tiny)
-    with start_server(cfg, str(tiny), log_dir=tmp_path / "serve") as server:
-        print(f"\ntiny DeepSeek-V3 ready in {server.ready_s:.1f} s")
-        with httpx.Client(base_url=server.base_url, headers=auth_headers(server.api_key), timeout=120) as c:
-            r = c.post("/v1/completions", json={"model": server.model, "prompt": "The capital of France is",
-                                                "max_tokens": 8, "temperature": 0})
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 8
-            r = c.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 8, "temperature": 0,
-                                                     "messages": [{"role": "user", "content": "Hi"}]})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["message"]["content"]  # random weights: some text, not a sentence
 
 
 def hf_reference(model_path, token_lists):
