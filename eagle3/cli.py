@@ -387,16 +387,15 @@ def verify(
     draft = draft or cfg.paths.stage_dir("train") / "vllm-draft"
     key, inputs, keyed = artifacts.plan_stage(cfg, "verify", {"train": draft.parent})
     out = out or keyed
-    n_conv = cfg.verify.num_prompts or 80
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         with Progress(transient=False) as bar:
             tasks: dict[tuple[str, int], int] = {}
 
-            def progress(label: str, c: int, done: int) -> None:
+            def progress(label: str, c: int, done: int, requests: int) -> None:
                 key = (label, c)
                 if key not in tasks:
-                    tasks[key] = bar.add_task(f"{label} c={c}", total=n_conv * cfg.verify.turns)
+                    tasks[key] = bar.add_task(f"{label} c={c}", total=requests)
                 bar.update(tasks[key], completed=done)
 
             r = run_verify(cfg, model, draft, out, log=bar.console.print, on_progress=progress)

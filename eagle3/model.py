@@ -397,6 +397,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+           past_kv: KVCache | None, **sdpa: Any) -> tuple[torch.Tensor, KVCache]:
+    """SDPA over an optional KV prefix, with the mask convention of the module docstring.
+
+    ``q`` [B, heads, T, d], ``k``/``v`` this call's keys and values (dim 2 = positions). Returns
+    (attention output [B, heads, T, dv], this call's (k, v) without the prefix). Shared by the
+    Llama and the MLA attention."""
+    t = q.shape[2]
+    new_kv = (k, v)
+    if past_kv is not None:
+        k = torch.cat([past_kv[0], k], dim=2)
+        v = torch.cat([past_kv[1], v], dim=2)
+    s_past = k.shape[2] - t
+    is_causal = False
+    if attn_mask is None:
+        if s_past == 0:
+            is_causal = True
+        else:  # causal with an offset: everything in the prefix, new positions <= i
+            attn_mask = torch.ones(t, s_past + t, dtype=torch.bool, device=q.device).tril(s_past)
+    elif attn_mask.shape[-1] != s_past + t:
+        raise ValueError(f"attn_mask last dim {attn_mask.shape[-1]} != prefix {s_past} + {t}")
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **sdpa)
+    return out, new_kv
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -422,24 +449,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        new_kv = (k, v)
-        if past_kv is not None:
-            k = torch.cat([past_kv[0], k], dim=2)
-            v = torch.cat([past_kv[1], v], dim=2)
-        s_past = k.shape[2] - t
-        is_causal = False
-        if attn_mask is None:
-            if s_past == 0:
-                is_causal = True
-            else:  # causal with an offset: everything in the prefix, new positions <= i
-                attn_mask = torch.ones(t, s_past + t, dtype=torch.bool, device=x.device).tril(s_past)
-        elif attn_mask.shape[-1] != s_past + t:
-            raise ValueError(f"attn_mask last dim {attn_mask.shape[-1]} != prefix {s_past} + {t}")
-        if attn_mask is not None and attn_mask.is_floating_point():
-            attn_mask = attn_mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.n_kv != self.n_heads
-        )
+        out, new_kv = attend(q, k, v, attn_mask, past_kv, enable_gqa=self.n_kv != self.n_heads)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         return self.o_proj(out), new_kv
 

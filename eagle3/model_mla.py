@@ -62,10 +62,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from eagle3.model import MLP, ConfigMethods, Eagle3Draft, KVCache, MidLayer, RMSNorm, _read_config, _rope_from_config
+from eagle3.model import MLP, ConfigMethods, Eagle3Draft, KVCache, MidLayer, RMSNorm, _read_config, _rope_from_config, attend
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -304,23 +303,7 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope_interleaved(k_pe.unsqueeze(1), cos, sin)  # [B, 1, T, dr]: one shared head
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, n, t, self.rope)], dim=-1)
-        new_kv = (k, v)
-        if past_kv is not None:
-            k = torch.cat([past_kv[0], k], dim=2)
-            v = torch.cat([past_kv[1], v], dim=2)
-        s_past = k.shape[2] - t
-        is_causal = False
-        if attn_mask is None:
-            if s_past == 0:
-                is_causal = True
-            else:  # causal with an offset: everything in the prefix, new positions <= i
-                attn_mask = torch.ones(t, s_past + t, dtype=torch.bool, device=x.device).tril(s_past)
-        elif attn_mask.shape[-1] != s_past + t:
-            raise ValueError(f"attn_mask last dim {attn_mask.shape[-1]} != prefix {s_past} + {t}")
-        if attn_mask is not None and attn_mask.is_floating_point():
-            attn_mask = attn_mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                             scale=self.softmax_scale)
+        out, new_kv = attend(q, k, v, attn_mask, past_kv, scale=self.softmax_scale)
         out = out.transpose(1, 2).reshape(b, t, n * self.v_dim)
         return self.o_proj(out), new_kv
 

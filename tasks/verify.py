@@ -28,17 +28,16 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
 
     logger = get_run_logger()
     v = cfg.verify
-    n_conv = v.num_prompts or 80
-    total = 2 * len(v.concurrency) * n_conv * v.turns  # both servers, every window
+    windows = 2 * len(v.concurrency)  # both servers, every concurrency
     windows_done: dict[tuple[str, int], int] = {}
     artifact = create_progress_artifact(0.0, key="verify-progress", description="verify: requests done")
     last = [0.0]
 
-    def progress(label: str, c: int, done: int) -> None:
+    def progress(label: str, c: int, done: int, requests: int) -> None:
         windows_done[(label, c)] = done
         if time.monotonic() - last[0] > 5:
             last[0] = time.monotonic()
-            update_progress_artifact(artifact, min(100.0, 100.0 * sum(windows_done.values()) / max(total, 1)))
+            update_progress_artifact(artifact, min(100.0, 100.0 * sum(windows_done.values()) / (windows * requests)))
 
     def publish(out: Path) -> None:
         report = json.loads((out / "report.json").read_text())

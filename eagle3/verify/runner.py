@@ -60,9 +60,12 @@ def _speculative_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Pat
 
 
 def measure(server: Server, convs: list[Conversation], cfg: Any, label: str,
-            on_result: Callable[[str, int, int], None] | None = None) -> list[tuple[WorkloadRun, Snapshot, Snapshot]]:
-    """Warm up, then one measured window per concurrency: (client run, counters before, after)."""
+            on_result: Callable[[str, int, int, int], None] | None = None) -> list[tuple[WorkloadRun, Snapshot, Snapshot]]:
+    """Warm up, then one measured window per concurrency: (client run, counters before, after).
+
+    ``on_result(label, concurrency, requests done, requests in the window)`` after each request."""
     v = cfg.verify
+    requests = sum(len(c.turns) for c in convs)
     warmup(server.base_url, server.model, v.warmup_requests, server.api_key, v.timeout_s)
     windows = []
     for c in v.concurrency:
@@ -72,7 +75,7 @@ def measure(server: Server, convs: list[Conversation], cfg: Any, label: str,
         def tick(_r: Any, c: int = c) -> None:
             done[0] += 1
             if on_result is not None:
-                on_result(label, c, done[0])
+                on_result(label, c, done[0], requests)
 
         run = run_workload(server.base_url, server.model, convs, concurrency=c, max_tokens=v.max_tokens,
                            temperature=v.temperature, seed=v.seed, api_key=server.api_key, timeout_s=v.timeout_s,
@@ -99,7 +102,7 @@ def _window_stats(run: WorkloadRun, before: Snapshot, after: Snapshot) -> dict[s
 
 def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
            log: Callable[[str], None] = print,
-           on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+           on_progress: Callable[[str, int, int, int], None] | None = None) -> dict[str, Any]:
     """Run the verify stage; returns the report (also written to ``out_dir``). Raises
     :class:`GateFailed` after writing the report when the gate fails."""
     v = cfg.verify
