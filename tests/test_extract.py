@@ -184,24 +184,3 @@ def test_hf_backend_on_a_tiny_deepseek_v3(gen_dir, smol_model, tmp_path):
     want = torch.cat([hs[k][0] for k in (1, 3, 4)], dim=-1)
     assert ((s.aux - want).norm() / want.norm()).item() < 8e-3
     assert ((ref.model.norm(s.final) - hs[-1][0]).norm() / hs[-1][0].norm()).item() < 8e-3
-
-
-def test_vllm_and_hf_backends_agree_through_the_stage(gen_dir, smol_model, tmp_path):
-    """Same samples, both backends: vLLM serves in bf16, HF computes in float32; both store bf16.
-    Tolerances (relative Frobenius error): aux 2e-2, final 5e-2: transformers itself in bf16 vs
-    float32 differs by 0.2-1.1% (aux) and 2-3% (final) on these prompts."""
-    hf = extract(gen_cfg(tmp_path), gen_dir, tmp_path / "hf", str(smol_model))
-    vl = extract(gen_cfg(tmp_path, "extract.backend=vllm"), gen_dir, tmp_path / "vllm", str(smol_model))
-    assert vl["samples"] == hf["samples"] == 8 and vl["backend"] == "vllm"
-    a, b = HiddenStateDataset(tmp_path / "hf", torch.float32), HiddenStateDataset(tmp_path / "vllm", torch.float32)
-    assert a.ids == b.ids
-    worst = {"aux": 0.0, "final": 0.0}
-    for i in range(len(a)):
-        x, y = a[i], b[i]
-        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
-        for name in worst:
-            want, got = getattr(x, name), getattr(y, name)
-            worst[name] = max(worst[name], ((got - want).norm() / want.norm()).item())
-    print(f"vLLM vs HF relative error: aux {worst['aux']:.2e}, final {worst['final']:.2e}")
-    assert worst["aux"] < 2e-2 and worst["final"] < 5e-2, worst
-    assert not list((tmp_path / "vllm" / "vllm-work" / "vllm-hidden").iterdir()), "per-request files are deleted"

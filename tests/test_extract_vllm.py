@@ -5,7 +5,7 @@ float32. The tolerances come from the same comparison made inside transformers (
 fp32 on three short prompts, on this machine): relative error 0.2-1.1 % at the auxiliary layers
 and 2.1-3.2 % at the final pre-norm state (30 layers of bf16 rounding accumulate; the middle
 layers look better because a few huge "massive activation" channels dominate the norm). vLLM
-measured 0.1-0.7 % and 0.9-2.8 % on those prompts, 0.26-0.44 % and 2.2 % on the prompts below.
+measured 0.1-0.7 % and 0.9-2.8 % on those prompts, 0.26-0.44 % and 2.2 % on three chat prompts.
 Bounds: 2e-2 for the auxiliary layers, 5e-2 for the final state; a wrong token or a shifted
 position gives errors of order 1, and the neighbour check below catches a shifted layer.
 """
@@ -22,15 +22,7 @@ from tests.conftest import require_vllm
 pytestmark = pytest.mark.vllm
 
 N_LAYERS = 30
-# Unsorted on purpose: vLLM stores the layers in ascending order, extract_vllm must reorder.
-LAYER_IDS = [27, 2, 15, N_LAYERS]  # N_LAYERS = the last layer's output before the final norm
-TOLERANCE = {2: 2e-2, 15: 2e-2, 27: 2e-2, N_LAYERS: 5e-2}
-
-PROMPTS = [
-    "What is the capital of France, and why did it become the capital?",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Explain in two sentences why the sky is blue during the day and red at sunset.",
-]
+TOLERANCE = {2: 2e-2, 15: 2e-2, 27: 2e-2, N_LAYERS: 5e-2}  # N_LAYERS: the final norm's input
 
 
 def hf_reference(model_path, token_lists: list[list[int]]) -> list[dict[int, torch.Tensor]]:
@@ -55,41 +47,43 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_extract_vllm_matches_transformers(cpu_cfg, smol_model, tmp_path):
-    from transformers import AutoTokenizer
+def test_vllm_backend_matches_transformers_and_the_hf_backend(gen_dir, smol_model, tmp_path):
+    """The extract stage with the vLLM backend (one server start) on the real generated data,
+    against transformers fp32 layer by layer (with the neighbour check) and against the HF
+    backend's output for the same samples. The auxiliary layers are given unsorted: vLLM returns
+    them in ascending order and the backend must put them back in the configured order."""
+    from eagle3.extract.runner import extract
+    from eagle3.extract.storage import HiddenStateDataset
+    from tests.conftest import gen_cfg
 
-    from eagle3.extract.vllm_backend import extract_vllm
-
-    require_vllm(cpu_cfg)
-    tok = AutoTokenizer.from_pretrained(smol_model)
-    samples = {
-        f"s{i}": tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]
-        for i, p in enumerate(PROMPTS)
-    }
-    assert all(20 <= len(ids) <= 80 for ids in samples.values()), {k: len(v) for k, v in samples.items()}
-
+    aux = [27, 2, 15]
+    cfg = gen_cfg(tmp_path, "extract.backend=vllm", f"extract.aux_layers={aux}")
+    require_vllm(cfg)
     t0 = time.monotonic()
-    got = {}
-    for sample_id, hidden in extract_vllm(cpu_cfg, str(smol_model), samples.items(), LAYER_IDS, tmp_path):
-        got[sample_id] = hidden
+    vl = extract(cfg, gen_dir, tmp_path / "vllm", str(smol_model))
     elapsed = time.monotonic() - t0
-    assert set(got) == set(samples)
-    assert not list((tmp_path / "vllm-hidden").iterdir()), "per-request files must be deleted once read"
+    hf = extract(gen_cfg(tmp_path, f"extract.aux_layers={aux}"), gen_dir, tmp_path / "hf", str(smol_model))
+    assert vl["samples"] == hf["samples"] == 8 and vl["backend"] == "vllm"
+    assert not list((tmp_path / "vllm" / "vllm-work" / "vllm-hidden").iterdir()), "per-request files are deleted"
 
-    refs = hf_reference(smol_model, list(samples.values()))
-    print(f"\nextract_vllm: {len(samples)} samples in {elapsed:.1f} s (server start included)")
-    print(f"{'sample':>6} {'layer':>5} {'tokens':>6} {'max abs':>9} {'rel':>8} {'rel vs k+-1':>11}")
-    for (sample_id, ids), ref in zip(samples.items(), refs):
-        hidden = got[sample_id]
-        assert hidden.shape == (len(ids), len(LAYER_IDS), 576) and hidden.dtype == torch.float32
-        for j, k in enumerate(LAYER_IDS):
-            a, b = hidden[:, j], ref[k]
-            err = rel(a, b)
+    got = HiddenStateDataset(tmp_path / "vllm", torch.float32)
+    hfb = HiddenStateDataset(tmp_path / "hf", torch.float32)
+    assert got.ids == hfb.ids
+    refs = hf_reference(smol_model, [got[i].input_ids.tolist() for i in range(len(got))])
+    print(f"\nextract (vllm backend): {len(got)} samples in {elapsed:.1f} s (server start included)")
+    print(f"{'sample':>8} {'layer':>5} {'tokens':>6} {'rel':>8} {'rel vs k+-1':>11} {'vs HF backend':>13}")
+    for i, ref in enumerate(refs):
+        x, y = got[i], hfb[i]
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        states = {k: x.aux[:, j * 576:(j + 1) * 576] for j, k in enumerate(aux)} | {N_LAYERS: x.final}
+        hf_states = {k: y.aux[:, j * 576:(j + 1) * 576] for j, k in enumerate(aux)} | {N_LAYERS: y.final}
+        for k, a in states.items():
+            err = rel(a, ref[k])
             # Convention check (catches an off-by-one): HF layer k is the closest of k-1, k, k+1. Not
             # a margin: the residual stream's few huge channels change little from layer to layer.
             neighbour = min(rel(a, ref[n]) for n in (k - 1, k + 1) if n in ref)
-            max_abs = float((a - b).abs().max())
-            print(f"{sample_id:>6} {k:>5} {len(ids):>6} {max_abs:>9.3g} {err:>8.2e} {neighbour:>11.2e}")
-            assert err < TOLERANCE[k], (sample_id, k, err)
-            assert err < neighbour, (sample_id, k, err, neighbour)
+            vs_backend = rel(a, hf_states[k])
+            print(f"{x.id[:8]:>8} {k:>5} {len(x.input_ids):>6} {err:>8.2e} {neighbour:>11.2e} {vs_backend:>13.2e}")
+            assert err < TOLERANCE[k], (x.id, k, err)
+            assert err < neighbour, (x.id, k, err, neighbour)
+            assert vs_backend < TOLERANCE[k], (x.id, k, vs_backend)

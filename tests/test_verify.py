@@ -156,7 +156,7 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
         s = w["speculative"]
         b, a = s["counters"]["before"], s["counters"]["after"]
         drafts, acc = a["drafts"] - b["drafts"], a["accepted"] - b["accepted"]
-        assert drafts > 0
+        assert drafts > 0 and a["draft_tokens"] - b["draft_tokens"] == k * drafts
         assert s["acceptance_length"] == pytest.approx(1 + acc / drafts)
         assert s["acceptance_rate"] == pytest.approx(acc / (a["draft_tokens"] - b["draft_tokens"]))
         per = [a["accepted_per_pos"][str(i)] - b["accepted_per_pos"].get(str(i), 0) for i in range(k)]
@@ -170,6 +170,11 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
     assert r["outputs"]["compared"] == 10 and r["outputs"]["mismatches"] == 0, r["windows"]
     assert r["windows"][1]["baseline_vs_first_window"]["mismatches"] == 0
     assert len((out / "outputs" / "speculative-c3.jsonl").read_text().splitlines()) == 5
+    # How vLLM loaded the export (its own log lines): the embedding is not in the export, so vLLM
+    # shares the target's and keeps our lm_head; the auxiliary layer ids reached the target.
+    spec_log = next(p.read_text() for p in sorted((out / "logs").glob("*.log")) if "--speculative-config" in p.read_text())
+    assert "without its own embed_tokens" in spec_log and "distinct lm_head" in spec_log, spec_log[-3000:]
+    assert "(2, 15, 27)" in spec_log
     print(f"\nverify: acceptance length {r['acceptance_length']:.3f}, per position "
           f"{[round(x, 3) for x in r['acceptance']['acceptance_per_position']]}, speedup {r['speedup']}, "
           f"greedy mismatches {r['outputs']['mismatches']}/{r['outputs']['compared']}, offline "
