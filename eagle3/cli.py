@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from eagle3.config import ConfigError, PipelineConfig, load_config
+from eagle3.serving.gpus import GPUsBusy, units_restored
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 
@@ -230,11 +231,12 @@ def extract(
     out = out or keyed
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
-        with Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
+        with units_restored(cfg), Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(),
+                                           TimeRemainingColumn()) as bar:
             task = bar.add_task("extract", total=None)
             manifest = run_extract(cfg, generate_dir, out, model,
                                    on_progress=lambda done, total: bar.update(task, completed=done, total=total))
-    except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError) as e:
+    except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError, GPUsBusy) as e:
         _fail(str(e))
     artifacts.finish(cfg, "extract", key, inputs, out, manifest)
     typer.echo(f"{out}: {manifest['samples']} samples, {manifest['tokens']} tokens, "
@@ -356,8 +358,9 @@ def train(
         target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         if not Path(target_dir).is_dir():
             _fail(f"target {target_dir!r} is not a local folder: train reads its norm/lm_head from the checkpoint")
-        m = run_train(cfg, extract_dir, vocab_file, target_dir, out, on_progress=progress)
-    except (EmbeddedModelError, TrainingDiverged, ValueError, KeyError, FileNotFoundError) as e:
+        with units_restored(cfg):
+            m = run_train(cfg, extract_dir, vocab_file, target_dir, out, on_progress=progress)
+    except (EmbeddedModelError, TrainingDiverged, ValueError, KeyError, FileNotFoundError, GPUsBusy) as e:
         _fail(str(e))
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 wrote everything and reports
         return
@@ -389,7 +392,7 @@ def verify(
     out = out or keyed
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
-        with Progress(transient=False) as bar:
+        with units_restored(cfg), Progress(transient=False) as bar:
             tasks: dict[tuple[str, int], int] = {}
 
             def progress(label: str, c: int, done: int, requests: int) -> None:

@@ -134,6 +134,12 @@ class ServeConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server process.")
     unit: str | None = Field(None, description="systemd backend: the unit name.")
+    stop_running_unit: bool = Field(
+        False,
+        description="systemd backend: the unit holds every GPU while it runs. If it was already running "
+        "(not started by this run) when a GPU stage (extract with the vllm backend, train, the speculative "
+        "server) begins, stop it and start it again when the run ends; false fails that stage at once.",
+    )
     ready_timeout_s: float = Field(900, gt=0)
     stop_timeout_s: float = Field(60, gt=0)
     poll_interval_s: float = Field(1.0, gt=0)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.generate.storage import write_json_atomic
+from eagle3.serving.gpus import release_gpus
 
 
 class LaunchFailed(RuntimeError):
@@ -25,6 +26,7 @@ class LaunchFailed(RuntimeError):
 
 def torchrun_train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_dir: Path,
                    nproc: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+    release_gpus(cfg, "train", log=log)  # before the ranks start (eagle3.serving.gpus)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = out_dir / "launch-config.json"

@@ -52,6 +52,26 @@ def server_plan(cfg: PipelineConfig, model: str, speculative_config: dict[str, A
     return plan
 
 
+def extract_server_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
+    """The vLLM process the extract stage starts (the connector's folder is the stage's own)."""
+    from eagle3.extract.vllm_backend import extract_server_config, speculative_config
+
+    storage = cfg.paths.stage_dir("extract") / "<key>" / "vllm-work" / "vllm-hidden"
+    try:
+        ecfg = extract_server_config(cfg, storage)
+    except ValueError as e:
+        return {"error": str(e)}
+    plan = server_plan(ecfg, model, speculative_config=speculative_config(cfg.aux_layers))
+    plan["note"] = "a child process of the extract stage (port 0: a free one)"
+    if cfg.serve.backend == "systemd":
+        plan["gpus"] = (f"needs systemd unit {cfg.serve.unit} stopped: "
+                        + ("the run stops it and starts it again at the end (serve.stop_running_unit)"
+                           if cfg.serve.stop_running_unit else
+                           "a unit this run started is stopped after generate; one that was running "
+                           "before fails the stage (serve.stop_running_unit: false)"))
+    return plan
+
+
 def target_config_for_plan(cfg: PipelineConfig, model: str) -> tuple[dict[str, Any] | None, str]:
     """(the target's config.json as a dict, where it came from) without loading any weights.
 
@@ -151,6 +171,8 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
         "aux_layers (vLLM convention: input of layer k = HF hidden_states[k])": cfg.aux_layers,
         "artifact": str(cfg.paths.stage_dir("extract")),
     }
+    if cfg.extract.backend == "vllm":
+        stages["extract"]["server"] = extract_server_plan(cfg, model)
     stages["vocab"] = {"settings": dump(cfg.vocab), "artifact": str(cfg.paths.stage_dir("vocab"))}
     stages["train"] = {"settings": dump(cfg.train), "draft": draft_plan(cfg, model),
                        "artifact": str(cfg.paths.stage_dir("train"))}

@@ -75,8 +75,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from eagle3.extract.storage import HiddenStateDataset
-from eagle3.model import DraftConfig, Eagle3Draft, build_draft, load_target_embeddings, load_target_tensor
 from eagle3.generate.storage import write_json_atomic
+from eagle3.model import (
+    DraftConfig,
+    Eagle3Draft,
+    build_draft,
+    load_target_embeddings,
+    load_target_tensor,
+)
+from eagle3.serving.gpus import release_gpus
 from eagle3.vocab import load_vocab
 
 NORM_NAMES = (
@@ -645,6 +652,8 @@ def train(
     Under torchrun (``WORLD_SIZE`` > 1) this runs on every rank with ``train.distributed`` (DDP or
     FSDP); rank 0 writes, reports progress and exports; every rank returns the manifest.
     """
+    if os.environ.get("RANK", "0") == "0":  # before any rank touches a GPU (eagle3.serving.gpus)
+        release_gpus(cfg, "train")
     d, dev = init_distributed(cfg.train.distributed, device)
     try:
         return _train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress,

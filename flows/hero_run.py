@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3 import PROJECT_ROOT, artifacts
 from eagle3.config import ConfigError, PipelineConfig, load_config
 from eagle3.generate.storage import write_json_atomic
+from eagle3.serving.gpus import units_restored
 from tasks.caching import StageCall, call_stage
 from tasks.extract import extract_task
 from tasks.generate import generate_task
@@ -228,6 +229,12 @@ def hero_run(params: HeroRunParams = DEFAULT_PARAMS) -> dict[str, Any]:
     """Run the selected stages of a profile; cached stages are reused, not recomputed."""
     started = time.monotonic()
     cfg = load_params(params)
+    # systemd + serve.stop_running_unit: a unit that ran before the run runs after it (eagle3.serving.gpus)
+    with units_restored(cfg, log=get_run_logger().info):
+        return _stages(cfg, params, started)
+
+
+def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[str, Any]:
     selected = set(params.stages)
     forced = artifacts.dependants(params.force) & selected
     logger = get_run_logger()

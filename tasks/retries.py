@@ -27,14 +27,16 @@ TIMEOUT_S = {
 
 
 def non_retriable() -> tuple[type[BaseException], ...]:
-    """Errors that a retry cannot fix (configuration, data, a diverged run, a failed gate)."""
+    """Errors that a retry cannot fix (configuration, data, a diverged run, a failed gate, GPUs held
+    by a unit the run may not stop)."""
     from eagle3.config import ConfigError
     from eagle3.embedded import EmbeddedModelError
     from eagle3.extract.runner import TokenizerMismatch
+    from eagle3.serving.gpus import GPUsBusy
     from eagle3.train import TrainingDiverged
 
     out: list[type[BaseException]] = [ValueError, KeyError, TypeError, FileNotFoundError, ConfigError,
-                                      EmbeddedModelError, TokenizerMismatch, TrainingDiverged]
+                                      EmbeddedModelError, TokenizerMismatch, TrainingDiverged, GPUsBusy]
     try:
         from eagle3.verify import GateFailed
 

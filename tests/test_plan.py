@@ -20,6 +20,12 @@ def test_kimi_plan_json():
     assert server["unit_file"].endswith("deploy/systemd/vllm-kimi-k25-int4.service")
     assert "--tensor-parallel-size 8" in server["command"] and "--reasoning-parser kimi_k2" in server["command"]
     assert plan["stages"]["extract"]["aux_layers (vLLM convention: input of layer k = HF hidden_states[k])"] == [2, 30, 58]
+    # extract (vllm backend) runs its own vLLM process: the unit's command plus the connector
+    ext = plan["stages"]["extract"]["server"]
+    assert ext["backend"] == "process" and ext["command"].startswith("PYTHONPATH=")
+    assert "/opt/vllm/bin/vllm serve moonshotai/Kimi-K2.5" in ext["command"] and "--tensor-parallel-size 8" in ext["command"]
+    assert '"kv_connector":"Eagle3HiddenStatesConnector"' in ext["command"] and "[2,30,58]" in ext["command"]
+    assert "needs systemd unit vllm-kimi-k25-int4 stopped" in ext["gpus"]
     spec_cmd = plan["stages"]["verify"]["speculative server"]["command"]
     assert '"method":"eagle3"' in spec_cmd and '"num_speculative_tokens":3' in spec_cmd
     assert plan["stages"]["train"]["artifact"] == "/data/eagle3/runs/kimi-k25-hero/train"

@@ -112,3 +112,75 @@ def test_port_in_use_is_clear(smol_model):
 def test_missing_vllm_env_is_clear(smol_model, tmp_path):
     with pytest.raises(ServerError, match="make vllm-env"):
         start_server(_cfg(f"serve.vllm_python={tmp_path}/nope/bin/python"), str(smol_model))
+
+
+# --- GPU stages and the production unit (eagle3.serving.gpus) ---------------------------------
+# The stand-in unit is a sleeping process: what is checked is which systemctl calls are made.
+
+def _sleeping_unit(state):
+    import sys
+
+    (state / "vllm-test.cmd").write_text(json.dumps([sys.executable, "-c", "import time; time.sleep(600)"]))
+
+
+def test_gpu_stage_fails_at_once_while_a_foreign_unit_holds_the_gpus(fake_systemd, tmp_path):
+    import subprocess
+
+    from eagle3.serving.gpus import GPUsBusy, release_gpus
+    from eagle3.train import train
+
+    _sleeping_unit(fake_systemd)
+    assert not release_gpus(_cfg(), "train")  # process backend: nothing to check, no systemctl call
+    assert not (fake_systemd / "calls.log").exists()
+    cfg = _systemd_cfg(8000)
+    assert not release_gpus(cfg, "train")  # the unit is not running
+    subprocess.run(["systemctl", "start", "vllm-test"], check=True)  # an operator's server
+    try:
+        with pytest.raises(GPUsBusy, match=r"train needs the GPUs, but the systemd unit vllm-test is active.*"
+                                           r"sudo systemctl stop vllm-test.*serve.stop_running_unit=true"):
+            release_gpus(cfg, "train")
+        # the train stage itself refuses before reading anything (these paths do not exist)
+        with pytest.raises(GPUsBusy):
+            train(cfg, tmp_path / "no-extract", tmp_path / "no-vocab", tmp_path / "no-target", tmp_path / "out")
+        assert "systemctl stop vllm-test" not in _calls(fake_systemd)
+    finally:
+        subprocess.run(["systemctl", "stop", "vllm-test"])
+
+
+def test_stop_running_unit_stops_it_for_gpu_stages_and_starts_it_again(fake_systemd):
+    import subprocess
+
+    from eagle3.serving.gpus import release_gpus, units_restored
+    from eagle3.serving.systemd import active_state
+
+    _sleeping_unit(fake_systemd)
+    cfg = _systemd_cfg(8000, "serve.stop_running_unit=true")
+    subprocess.run(["systemctl", "start", "vllm-test"], check=True)
+    try:
+        with pytest.raises(RuntimeError, match="stage failed"), units_restored(cfg, log=lambda _m: None):
+            assert release_gpus(cfg, "extract", log=lambda _m: None)
+            assert active_state("vllm-test") == "inactive"
+            assert not release_gpus(cfg, "train", log=lambda _m: None)  # already free
+            raise RuntimeError("stage failed")  # the unit comes back on failure too
+        assert _calls(fake_systemd)[-1] == "systemctl start vllm-test"
+        assert active_state("vllm-test") == "active"
+    finally:
+        subprocess.run(["systemctl", "stop", "vllm-test"])
+    n = len(_calls(fake_systemd))
+    with units_restored(cfg, log=lambda _m: None):  # not running at the start: not started at the end
+        pass
+    assert "systemctl start vllm-test" not in _calls(fake_systemd)[n:]
+
+
+def test_extract_server_for_a_systemd_profile_is_a_process_with_the_connector(tmp_path):
+    """The production unit serves without the connector: extract runs the same vLLM command itself."""
+    from eagle3.extract.vllm_backend import extract_server_config
+    from tests.conftest import KIMI_PROFILE
+
+    cfg = load_config(KIMI_PROFILE)
+    e = extract_server_config(cfg, tmp_path / "hidden").serve
+    assert (e.backend, e.port, e.tensor_parallel_size, e.vllm_bin) == ("process", 0, 8, cfg.serve.vllm_bin)
+    assert "--kv-transfer-config" in e.extra_args and "--no-enable-prefix-caching" in e.extra_args
+    assert e.extra_args[:len(cfg.serve.extra_args)] == cfg.serve.extra_args
+    with pytest.raises(ValueError, match="external server"):
+        extract_server_config(_cfg("serve.backend=external", "serve.base_url=http://127.0.0.1:9"), tmp_path)

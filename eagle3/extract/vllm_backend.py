@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from eagle3 import PROJECT_ROOT
 from eagle3.config import PipelineConfig
+from eagle3.serving.gpus import release_gpus
 from eagle3.serving.readiness import auth_headers
 from eagle3.serving.server import Server, start_server
 
@@ -61,13 +62,17 @@ def extract_server_config(cfg: PipelineConfig, storage_dir: Path) -> PipelineCon
     """The profile's serve settings plus the connector, no prefix caching, and our root on PYTHONPATH.
 
     Prefix caching must be off: a cached prefix is not recomputed, so its hidden states would be
-    missing (or stale) for the request.
+    missing (or stale) for the request. The server is always a child process of the extract stage:
+    with ``serve.backend: systemd`` (production) the unit serves without the connector, so extract
+    runs the same vLLM command (same vllm binary, tensor parallelism, lengths, parsers) itself, on a
+    free port, once the unit has released the GPUs (:mod:`eagle3.serving.gpus`).
     """
     s = cfg.serve
-    if s.backend != "process":
+    if s.backend == "external":
         raise ValueError(
-            f"extract backend 'vllm' starts its own server with a KV connector; serve.backend={s.backend!r} "
-            "servers were started without it (use serve.backend=process)"
+            "extract backend 'vllm' starts its own vLLM server with a KV connector, which an external server "
+            "(serve.backend=external) does not have: use extract.backend=hf, or run the pipeline with "
+            "serve.backend process or systemd on the machine with the GPUs"
         )
     extra = list(s.extra_args) + [
         "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir), separators=(",", ":")),
@@ -75,7 +80,10 @@ def extract_server_config(cfg: PipelineConfig, storage_dir: Path) -> PipelineCon
     ]
     inherited = s.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     env = {**s.env, "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), inherited) if p)}
-    return cfg.model_copy(update={"serve": s.model_copy(update={"extra_args": extra, "env": env})})
+    update: dict[str, Any] = {"extra_args": extra, "env": env, "backend": "process"}
+    if s.backend == "systemd":
+        update["port"] = 0  # the unit's port is its own
+    return cfg.model_copy(update={"serve": s.model_copy(update=update)})
 
 
 async def _request(client: httpx.AsyncClient, server: Server, sample_id: str, token_ids: list[int],
@@ -138,6 +146,7 @@ def extract_vllm(
     work_dir = Path(work_dir)
     storage = work_dir / "vllm-hidden"
     storage.mkdir(parents=True, exist_ok=True)
+    release_gpus(cfg, "extract")  # a production unit would hold the GPUs this server needs
     server = start_server(extract_server_config(cfg, storage), model, log_dir=work_dir / "serve",
                           speculative_config=speculative_config(captured))
     loop = asyncio.new_event_loop()

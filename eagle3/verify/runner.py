@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.generate.storage import write_json_atomic
+from eagle3.serving.gpus import release_gpus
 from eagle3.serving.server import Server, start_server
 from eagle3.serving.units import speculative_config
 from eagle3.verify.client import WorkloadRun, compare_outputs, run_workload, warmup
@@ -120,6 +121,7 @@ def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
         log(f"verify: baseline ready in {base_server.ready_s:.1f} s")
         base = measure(base_server, convs, cfg, "baseline", on_progress)
         base_info = base_server.info()
+    release_gpus(cfg, "verify (speculative server)", log=log)  # the baseline unit may still hold them
     with _speculative_server(cfg, model, spec, out_dir / "logs") as spec_server:
         log(f"verify: speculative ready in {spec_server.ready_s:.1f} s")
         specw = measure(spec_server, convs, cfg, "speculative", on_progress)
