@@ -355,9 +355,7 @@ def train(
                        f"loss {loss} top1/step {top1}")
 
     try:
-        target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)
-        if not Path(target_dir).is_dir():
-            _fail(f"target {target_dir!r} is not a local folder: train reads its norm/lm_head from the checkpoint")
+        target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)  # a hub id: see eagle3.model.checkpoint_dir
         with units_restored(cfg):
             m = run_train(cfg, extract_dir, vocab_file, target_dir, out, on_progress=progress)
     except (EmbeddedModelError, TrainingDiverged, ValueError, KeyError, FileNotFoundError, GPUsBusy) as e:

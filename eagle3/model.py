@@ -234,6 +234,33 @@ LM_HEAD_NAMES = (
 )
 
 
+def checkpoint_dir(model: str | Path) -> Path:
+    """The local folder of the target's checkpoint: ``model`` itself, or a hub id's snapshot in the
+    local Hugging Face cache (where vLLM put it when it first served the target, with the same
+    ``HF_HOME``). Never downloads: the stages that read the checkpoint (train reads the embedding,
+    final norm and lm_head) must not fetch a 1T-parameter model as a side effect.
+
+    Raises:
+        FileNotFoundError: neither a folder nor a cached snapshot (the message says what to set).
+    """
+    path = Path(model)
+    if path.is_dir():
+        return path
+    name = str(model)
+    if not path.is_absolute() and name.count("/") == 1 and not name.startswith("."):
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(name, local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise FileNotFoundError(
+                f"target {name}: not a local folder, and not in the local Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}). The serve stage's vLLM downloads it there on its first start "
+                "(same HF_HOME); or set target.model to the checkpoint's folder") from None
+    raise FileNotFoundError(f"target {name}: no such folder")
+
+
 def _checkpoint_map(model_dir: Path) -> dict[str, str]:
     """tensor name -> file name (relative to model_dir), from the index or the single file."""
     from safetensors import safe_open

@@ -80,6 +80,7 @@ from eagle3.model import (
     DraftConfig,
     Eagle3Draft,
     build_draft,
+    checkpoint_dir,
     load_target_embeddings,
     load_target_tensor,
 )
@@ -654,6 +655,7 @@ def train(
     """
     if os.environ.get("RANK", "0") == "0":  # before any rank touches a GPU (eagle3.serving.gpus)
         release_gpus(cfg, "train")
+    target_dir = checkpoint_dir(target_dir)  # a hub id: its snapshot in the local cache
     d, dev = init_distributed(cfg.train.distributed, device)
     try:
         return _train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress,

@@ -413,3 +413,26 @@ def test_vllm_serves_speculators_format(smol_model, random_smol_draft, tmp_path)
     delta = _serve_and_check(cfg, str(out), tmp_path / "logs")
     assert delta.get("vllm:spec_decode_num_drafts_total", 0) > 0, delta
     assert delta.get("vllm:spec_decode_num_draft_tokens_total", 0) == 3 * delta["vllm:spec_decode_num_drafts_total"]
+
+
+def test_checkpoint_dir_finds_a_hub_id_in_the_local_cache_and_never_downloads(tmp_path, monkeypatch, smol_model):
+    """Production profiles name the target by hub id (vLLM downloads it); train needs its files."""
+    from huggingface_hub import constants
+
+    from eagle3.model import checkpoint_dir
+
+    assert checkpoint_dir(smol_model) == Path(smol_model)
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    with pytest.raises(FileNotFoundError, match=r"target org/tiny: not a local folder, and not in the local "
+                                                r"Hugging Face cache .*set target.model"):
+        checkpoint_dir("org/tiny")
+    # the cache layout vLLM's download leaves: refs/main -> snapshots/<revision>/
+    snap = cache / "models--org--tiny" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
+    assert checkpoint_dir("org/tiny") == snap
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        checkpoint_dir(tmp_path / "missing")

@@ -90,7 +90,9 @@ def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences:
     from transformers import AutoModelForCausalLM
 
     from eagle3.export import load_exported
+    from eagle3.model import checkpoint_dir
 
+    target_dir = checkpoint_dir(target_dir)
     draft, d2t, _ = load_exported(draft_dir, dtype=torch.float32)
     draft.load_embeddings(target_dir)
     draft.eval().to(device)
