@@ -52,6 +52,17 @@ def plan(config: ConfigOpt, set_: SetOpt = None, as_json: Annotated[bool, typer.
     typer.echo(json.dumps(p, indent=2) if as_json else render_plan(p))
 
 
+@app.command()
+def preflight(config: ConfigOpt, set_: SetOpt = None) -> None:
+    """Check what would stop a hero run on this machine (binaries, units, target, GPUs, disk). Runs nothing."""
+    from eagle3.preflight import preflight as run_checks, render
+
+    checks = run_checks(_load(config, set_))
+    typer.echo(render(checks))
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(1)
+
+
 @app.command("validate")
 def validate(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Load and validate a profile."""

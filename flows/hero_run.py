@@ -302,16 +302,51 @@ def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[
     return summary
 
 
+def dry_run(params: HeroRunParams) -> dict[str, Any]:
+    """What ``hero_run(params)`` would do and what would stop it here; no Prefect, nothing started.
+
+    Exits with status 1 when a pre-flight check fails."""
+    from eagle3.plan import build_plan
+    from eagle3.preflight import preflight, render
+
+    cfg = load_params(params)
+    plan = build_plan(cfg)
+    forced = artifacts.dependants(params.force) & set(params.stages)
+    print(f"Dry run of profile {cfg.name} (run dir {cfg.paths.run_dir}); nothing is started.")
+    for name in ALL_STAGES:
+        what = ("recompute" if name in forced else "run, or reuse a complete cached artifact") \
+            if name in params.stages else "use the latest artifact"
+        print(f"  {name:<8} {what}")
+    for label, server in (("serve", plan["stages"]["serve"]["server"]),
+                          ("extract", plan["stages"]["extract"].get("server")),
+                          ("verify (speculative)", plan["stages"]["verify"]["speculative server"])):
+        if server and "command" in server:
+            print(f"{label} server ({server['backend']}): {server['command']}")
+    draft = plan["stages"]["train"]["draft"]
+    print(f"draft: {draft['arch']}, {draft.get('parameters', {}).get('summary', draft.get('note'))}")
+    checks = preflight(cfg)
+    print("pre-flight:\n" + render(checks))
+    failed = [c.name for c in checks if c.status == "fail"]
+    if failed:
+        raise SystemExit(f"dry run: {len(failed)} pre-flight check(s) failed ({', '.join(failed)}): "
+                         "fix them before the hero run")
+    return {"plan": plan, "checks": [c.__dict__ for c in checks]}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", "-c", "--profile", dest="profile", default=DEFAULT_PROFILE)
     ap.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ap.add_argument("--stages", default=",".join(ALL_STAGES), help="comma-separated subset of " + ",".join(ALL_STAGES))
     ap.add_argument("--force", default="", help="comma-separated stages to recompute (with everything after them)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="load and validate the profile, print the stages and the pre-flight checks; run nothing")
     args = ap.parse_args(argv)
     split = lambda text: [s for s in text.split(",") if s]
     params = HeroRunParams(profile=args.profile, overrides=args.overrides, stages=split(args.stages),
                            force=split(args.force))
+    if args.dry_run:
+        return dry_run(params)
     summary = hero_run(params)
     statuses = ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items())
     print(f"\nHero run {summary['profile']} finished in {summary['wall_s']} s ({statuses})")

@@ -89,3 +89,37 @@ def test_plans_of_the_other_profiles_name_their_drafts():
                             "--set", "train.draft_num_key_value_heads=8", "--json"])
     draft = json.loads(r.output)["stages"]["train"]["draft"]
     assert draft["weights (exported)"]["midlayer.self_attn.k_proj.weight"] == "896 x 14336"  # 8 KV heads x 112
+
+
+def test_preflight_of_the_kimi_profile_here_names_every_blocker(fake_systemd, tmp_path):
+    """This machine is not a Kimi node: the checks must say exactly why, in seconds, starting nothing.
+    (systemctl is the stand-in of tests/fakes: no systemd runs here.)"""
+    from eagle3.config import load_config
+    from eagle3.preflight import preflight
+
+    cfg = load_config(KIMI_PROFILE, [f"paths.runs_dir={tmp_path}"])
+    (fake_systemd / "vllm-kimi-k25-int4.cmd").write_text("[]")  # the serving unit is installed, the other not
+    checks = {(c.name, c.detail.split(":")[0]): c for c in preflight(cfg)}
+    status = {k: c.status for k, c in checks.items()}
+    assert status[("vllm", "/opt/vllm/bin/vllm not found")] == "fail"
+    assert status[("systemd", "vllm-kimi-k25-int4")] == "ok"
+    assert "not installed" in checks[("systemd", "vllm-kimi-k25-int4-eagle3")].detail
+    assert status[("systemd", "vllm-kimi-k25-int4-eagle3")] == "fail"
+    assert status[("gpus", "0 visible, the profile needs 8 (serve.tensor_parallel_size 8, train.nproc_per_node 8)")] == "fail"
+    assert status[("target", "target moonshotai/Kimi-K2.5")] == "warn"  # vLLM downloads it at serve
+    disk = next(c for c in checks.values() if c.name == "disk")
+    assert "extract stores at most 4648 GiB (10000 samples at full length, bfloat16)" in disk.detail
+    assert "systemctl start" not in (fake_systemd / "calls.log").read_text()  # nothing started
+
+
+def test_dry_run_of_the_hero_run(capsys):
+    import pytest
+
+    from flows.hero_run import main
+
+    out = main(["--dry-run", "-c", str(CPU_PROFILE), "--stages", "train,verify", "--force", "verify"])
+    text = capsys.readouterr().out
+    assert "nothing is started" in text and "verify   recompute" in text and "generate use the latest artifact" in text
+    assert "draft: llama" in text and all(c["status"] == "ok" for c in out["checks"]), text
+    with pytest.raises(SystemExit, match="pre-flight check.* failed .*gpus"):
+        main(["--dry-run", "-c", str(KIMI_PROFILE)])
