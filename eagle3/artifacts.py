@@ -61,7 +61,7 @@ SERVE_PERF_FIELDS = ("tensor_parallel_size", "gpu_memory_utilization", "enforce_
 GENERATE_EXCLUDED = {"endpoints", "balancing", "concurrency", "concurrency_ceiling", "timeout_s", "connect_timeout_s",
                      "max_attempts", "backoff_base_s", "backoff_max_s", "retry_rejected", "shard_size",
                      "profile_levels", "profile_prompts", "profile_max_tokens", "profile_knee"}
-EXTRACT_EXCLUDED = {"token_budget", "samples_per_shard", "chunk_samples", "device", "vllm_concurrency"}
+EXTRACT_EXCLUDED = {"token_budget", "samples_per_shard", "chunk_samples", "device", "vllm_concurrency", "reuse_previous"}
 TRAIN_EXCLUDED = {"checkpoint_every_steps", "distributed", "grad_accum", "nproc_per_node"}  # see stage_config
 VERIFY_EXCLUDED = {"timeout_s", "speculative_base_url", "speculative_unit", "candidate_link"}
 
@@ -350,7 +350,9 @@ def summary(cfg: PipelineConfig, stage: str, result: dict[str, Any], out_dir: Pa
     if stage == "extract":
         return {"tokens_key": tokens_key(out_dir, inputs["generate"]), "samples": result["samples"],
                 "tokens": result["tokens"], "bytes_per_token": result["bytes_per_token"],
-                "aux_layers": result["aux_layers"], "storage_dtype": result["storage_dtype"]}
+                "aux_layers": result["aux_layers"], "storage_dtype": result["storage_dtype"],
+                # how the folder was filled: computed by the backend, or copied from the previous extract
+                "computed": result.get("this_run", {}).get("stored"), "reused": result.get("this_run", {}).get("reused", 0)}
     if stage == "vocab":
         return {"draft_vocab_size": result["draft_vocab_size"], "coverage": result["coverage"],
                 "loss_tokens": result["loss_tokens"]}

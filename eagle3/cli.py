@@ -232,7 +232,7 @@ def extract(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from eagle3.embedded import EmbeddedModelError, resolve_model
-    from eagle3.extract.runner import TokenizerMismatch, extract as run_extract
+    from eagle3.extract.runner import TokenizerMismatch, extract as run_extract, previous_extract
 
     from eagle3 import artifacts
 
@@ -246,12 +246,14 @@ def extract(
                                            TimeRemainingColumn()) as bar:
             task = bar.add_task("extract", total=None)
             manifest = run_extract(cfg, generate_dir, out, model,
-                                   on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                   on_progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                   reuse_from=previous_extract(cfg, out) if cfg.extract.reuse_previous else None)
     except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError, GPUsBusy) as e:
         _fail(str(e))
     artifacts.finish(cfg, "extract", key, inputs, out, manifest)
     typer.echo(f"{out}: {manifest['samples']} samples, {manifest['tokens']} tokens, "
-               f"{manifest['bytes_per_token']} bytes/token ({manifest['storage_dtype']}), layers {manifest['aux_layers']}")
+               f"{manifest['bytes_per_token']} bytes/token ({manifest['storage_dtype']}), layers {manifest['aux_layers']}; "
+               f"this run: {manifest['this_run']['stored']} computed, {manifest['this_run']['reused']} reused")
 
 
 @app.command()

@@ -208,6 +208,8 @@ class ExtractConfig(_Section):
     device: str = "auto"
     dtype: str = Field("auto", description="compute dtype: auto = bf16 on CUDA, float32 on CPU")
     vllm_concurrency: int = Field(8, gt=0, description="vllm backend: requests in flight")
+    reuse_previous: bool = Field(True, description="Copy the samples the latest extract with the same settings "
+                                 "already stored (same id and tokens) instead of computing them again.")
 
 
 class VocabConfig(_Section):

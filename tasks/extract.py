@@ -14,7 +14,7 @@ from prefect.artifacts import (
 from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig
-from eagle3.extract.runner import extract
+from eagle3.extract.runner import extract, previous_extract
 from tasks.caching import ARTIFACT_KEY
 from tasks.retries import TIMEOUT_S, transient_only
 
@@ -32,7 +32,8 @@ def extract_task(cfg: PipelineConfig, out_dir: str, generate_dir: str, model_pat
             update_progress_artifact(artifact, min(100.0, 100.0 * done / total))
 
     t0 = time.monotonic()
-    m = extract(cfg, Path(generate_dir), Path(out_dir), model_path, on_progress=progress)
+    reuse = previous_extract(cfg, Path(out_dir)) if cfg.extract.reuse_previous else None
+    m = extract(cfg, Path(generate_dir), Path(out_dir), model_path, on_progress=progress, reuse_from=reuse)
     lib_wall = time.monotonic() - t0
     update_progress_artifact(artifact, 100.0)
     logger.info("extract: %d samples, %d tokens, %.0f bytes/token", m["samples"], m["tokens"], m["bytes_per_token"])
@@ -42,6 +43,7 @@ def extract_task(cfg: PipelineConfig, out_dir: str, generate_dir: str, model_pat
             ("samples", m["samples"]), ("tokens", m["tokens"]), ("aux layers", m["aux_layers"]),
             ("storage dtype", m["storage_dtype"]), ("bytes/token", m["bytes_per_token"]),
             ("tokens/s (this run)", m["this_run"]["tokens_per_s"]), ("skipped", m["this_run"]["skipped"]),
+            ("reused from the previous extract", m["this_run"]["reused"]),
             ("non-finite", m["this_run"]["nonfinite"]), ("truncated", m["this_run"]["truncated"])]],
         description="Hidden-state extraction",
     )

@@ -184,3 +184,42 @@ def test_hf_backend_on_a_tiny_deepseek_v3(gen_dir, smol_model, tmp_path):
     want = torch.cat([hs[k][0] for k in (1, 3, 4)], dim=-1)
     assert ((s.aux - want).norm() / want.norm()).item() < 8e-3
     assert ((ref.model.norm(s.final) - hs[-1][0]).norm() / hs[-1][0].norm()).item() < 8e-3
+
+
+def _first_samples(gen_dir, out, n):
+    """A copy of a generate output with its first ``n`` samples (yesterday's data, for the nightly)."""
+    out.mkdir(parents=True)
+    lines = (gen_dir / "samples-00000.jsonl").read_text().splitlines()[:n]
+    (out / "samples-00000.jsonl").write_text("\n".join(lines) + "\n")
+    m = json.loads((gen_dir / "manifest.json").read_text())
+    m["totals"]["samples"] = n
+    (out / "manifest.json").write_text(json.dumps(m))
+    return out
+
+
+def test_extract_reuses_what_a_previous_extract_with_the_same_settings_stored(gen_dir, smol_model, tmp_path):
+    """The nightly case: 5 samples extracted yesterday, 8 today: 5 copied, 3 computed; the copies
+    are the stored states bit for bit. Other settings, or other tokens for an id: nothing copied."""
+    from eagle3.extract.runner import settings_key
+
+    cfg = gen_cfg(tmp_path)
+    old = extract(cfg, _first_samples(gen_dir, tmp_path / "gen5", 5), tmp_path / "old", str(smol_model))
+    assert old["this_run"]["stored"] == 5 and old["settings_key"] == settings_key(cfg)
+    new = extract(cfg, gen_dir, tmp_path / "new", str(smol_model), reuse_from=tmp_path / "old")
+    assert (new["samples"], new["this_run"]["reused"], new["this_run"]["stored"]) == (8, 5, 3)
+    a, b = HiddenStateDataset(tmp_path / "old"), HiddenStateDataset(tmp_path / "new")
+    by_id = {b[i].id: b[i] for i in range(len(b))}
+    for i in range(len(a)):
+        x, y = a[i], by_id[a[i].id]
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.aux, y.aux) and torch.equal(x.final, y.final)
+
+    other = gen_cfg(tmp_path, "extract.max_seq_len=64")  # other settings: the old states do not apply
+    m = extract(other, gen_dir, tmp_path / "other", str(smol_model), reuse_from=tmp_path / "old")
+    assert m["this_run"]["reused"] == 0 and "other settings" in m["this_run"]["reuse"]["why_not"]
+    # same id, other tokens (the prompt was answered again differently): computed, not copied
+    changed = _first_samples(gen_dir, tmp_path / "gen2", 2)
+    rows = [json.loads(x) for x in (changed / "samples-00000.jsonl").read_text().splitlines()]
+    rows[0]["completion_token_ids"] = rows[0]["completion_token_ids"][:-1] + [30]
+    (changed / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = extract(cfg, changed, tmp_path / "changed", str(smol_model), reuse_from=tmp_path / "old")
+    assert (m["this_run"]["reused"], m["this_run"]["stored"]) == (1, 1)

@@ -173,9 +173,9 @@ def tiny_copy(tiny_hero, tmp_path):
 
 
 @pytest.mark.vllm
-def test_unchanged_rerun_is_all_cache_hits_and_starts_no_server(tiny_hero):
+def test_unchanged_rerun_is_all_cache_hits_and_starts_no_server(tiny_hero, tiny_copy):
     t0 = time.monotonic()
-    summary = _run(tiny_hero.overrides)
+    summary = _run(tiny_copy)  # a copy: the session's run dir stays as its first run left it
     wall = time.monotonic() - t0
     assert _status(summary) == {s: "cached" for s in TINY_STAGES}
     assert summary["server"] is None and summary["smoke_chat"] is None
@@ -245,7 +245,8 @@ def test_nightly_regeneration_reruns_downstream_only_when_data_changed(tiny_hero
     gen = grown["stages"]["generate"]
     assert gen["key"] == unchanged["stages"]["generate"]["key"]  # the same folder, one sample more
     assert gen["info"]["samples"] == 5 and gen["info"]["data_key"] != unchanged["stages"]["generate"]["info"]["data_key"]
-    assert grown["stages"]["extract"]["info"]["samples"] == 5
+    ext = grown["stages"]["extract"]["info"]
+    assert ext["samples"] == 5 and (ext["reused"], ext["computed"]) == (4, 1), ext  # only the new one computed
 
 
 # ---------------------------------------------------------------------------

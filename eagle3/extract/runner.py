@@ -3,7 +3,9 @@
     manifest = extract(cfg, generate_dir, out_dir, model_path)
 
 Reads the generate shards lazily (memory stays bounded for any dataset size), skips
-samples already stored (resume by sample id), runs the configured backend, drops samples
+samples already stored (resume by sample id), copies the samples a previous extract with the
+same settings already computed (``reuse_from``: the nightly regeneration adds a few new
+samples to thousands; only those go to the GPUs), runs the configured backend, drops samples
 with NaN/inf states (recorded in errors.jsonl with the reason), and writes a manifest with
 the target, tokenizer fingerprint, layer ids and their convention, dtype, counts and bytes/token.
 """
@@ -49,8 +51,62 @@ def check_fingerprint(generate_manifest: dict[str, Any], model_path: str, cfg: P
     return mine
 
 
+def settings_key(cfg: PipelineConfig) -> str:
+    """The extract stage key without its input: equal keys store equal states for equal tokens."""
+    from eagle3 import artifacts
+
+    return artifacts.digest({"stage": "extract", "code": artifacts.CODE_VERSIONS["extract"],
+                             "config": artifacts.stage_config(cfg, "extract")})
+
+
+def previous_extract(cfg: PipelineConfig, out_dir: Path) -> Path | None:
+    """The stage's latest complete artifact, if it is another folder than ``out_dir``."""
+    from eagle3 import artifacts
+
+    found = artifacts.latest(cfg, "extract")
+    if found is None or found[0].resolve() == Path(out_dir).resolve():
+        return None
+    return found[0]
+
+
+class Reuse:
+    """Samples of a previous extract output that this run may copy instead of computing.
+
+    Only when that output was made with the same settings (target, layers, dtype, lengths,
+    backend, code version: :func:`settings_key`), and per sample only when the id, the token ids
+    and the loss mask are identical."""
+
+    def __init__(self, cfg: PipelineConfig, folder: Path | None):
+        from eagle3.extract.storage import HiddenStateDataset
+
+        self.folder, self.ds, self.index, self.reason = folder, None, {}, None
+        if folder is None:
+            self.reason = "no previous extract"
+            return
+        try:
+            theirs = json.loads((Path(folder) / "manifest.json").read_text()).get("settings_key")
+        except (OSError, json.JSONDecodeError) as err:
+            self.reason = f"{folder}: unreadable manifest ({err})"
+            return
+        if theirs != settings_key(cfg):
+            self.reason = f"{folder}: made with other settings"
+            return
+        self.ds = HiddenStateDataset(Path(folder), dtype=torch.float32)
+        self.index = {sid: i for i, sid in enumerate(self.ds.ids)}
+
+    def get(self, ex: Example) -> Sample | None:
+        i = self.index.get(ex.id)
+        if i is None:
+            return None
+        old = self.ds[i]
+        if old.input_ids.tolist() != list(ex.input_ids) or old.loss_mask.tolist() != [bool(m) for m in ex.loss_mask]:
+            return None
+        return old
+
+
 def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: str,
-            on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+            on_progress: Callable[[int, int], None] | None = None, reuse_from: Path | None = None) -> dict[str, Any]:
+    """Run the stage into ``out_dir`` (resuming what is there); see the module docstring."""
     e = cfg.extract
     generate_dir, out_dir = Path(generate_dir), Path(out_dir)
     gen_manifest = json.loads((generate_dir / "manifest.json").read_text())
@@ -58,7 +114,9 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     writer = ShardWriter(out_dir, e.storage_dtype, e.samples_per_shard)
     resumed_from = len(writer.done_ids)
     errors = JsonlAppender(out_dir / "errors.jsonl")
-    counts = {"stored": 0, "skipped": 0, "truncated": 0, "nonfinite": 0}
+    counts = {"stored": 0, "reused": 0, "skipped": 0, "truncated": 0, "nonfinite": 0}
+    reuse = Reuse(cfg, reuse_from)
+    computed_tokens = 0
     total = gen_manifest["totals"]["samples"]
     started = time.time()
     layers = cfg.aux_layers
@@ -94,8 +152,18 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
             if isinstance(item, tuple):
                 record_error(*item)
                 counts["skipped"] += 1
-            else:
+                continue
+            old = reuse.get(item)
+            if old is None:
                 yield item
+                continue
+            if item.truncated_from:
+                record_error(item.id, f"truncated from {item.truncated_from} to {len(item.input_ids)} tokens")
+                counts["truncated"] += 1
+            writer.add(old)
+            counts["reused"] += 1
+            if on_progress:
+                on_progress(resumed_from + counts["stored"] + counts["reused"], total)
 
     try:
         for ex, aux, final in states(examples()):
@@ -109,8 +177,9 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
             writer.add(Sample(ex.id, torch.tensor(ex.input_ids), torch.tensor(ex.loss_mask, dtype=torch.bool),
                               aux, final))  # a full shard is written as soon as it fills: the resume unit
             counts["stored"] += 1
+            computed_tokens += len(ex.input_ids)
             if on_progress:
-                on_progress(resumed_from + counts["stored"], total)
+                on_progress(resumed_from + counts["stored"] + counts["reused"], total)
     except BaseException:
         try:
             writer.close()  # keep the complete samples already computed: a rerun resumes after them
@@ -133,13 +202,15 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
         "hidden_size": cfg.target.hidden_size,
         "storage_dtype": e.storage_dtype,
         "config": e.model_dump(mode="json"),
+        "settings_key": settings_key(cfg),
         "generate_dir": str(generate_dir),
         "samples": len(writer.index),
         "tokens": tokens,
         "bytes": shard_bytes,
         "bytes_per_token": round(shard_bytes / max(tokens, 1), 1),
         "this_run": {"resumed_from": resumed_from, **counts, "wall_s": round(time.time() - started, 2),
-                     "tokens_per_s": round(writer.tokens_written / max(time.time() - started, 1e-9), 1)},
+                     "reuse": {"from": str(reuse.folder) if reuse.folder else None, "why_not": reuse.reason},
+                     "tokens_per_s": round(computed_tokens / max(time.time() - started, 1e-9), 1)},
     }
     write_json_atomic(out_dir / "manifest.json", manifest)
     return manifest
