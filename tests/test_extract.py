@@ -197,7 +197,8 @@ def _first_samples(gen_dir, out, n):
     return out
 
 
-def test_extract_reuses_what_a_previous_extract_with_the_same_settings_stored(gen_dir, smol_model, tmp_path):
+def test_extract_reuses_what_a_previous_extract_with_the_same_settings_stored(gen_dir, smol_model, tmp_path,
+                                                                             monkeypatch):
     """The nightly case: 5 samples extracted yesterday, 8 today: 5 copied, 3 computed; the copies
     are the stored states bit for bit. Other settings, or other tokens for an id: nothing copied."""
     from eagle3.extract.runner import settings_key
@@ -223,3 +224,12 @@ def test_extract_reuses_what_a_previous_extract_with_the_same_settings_stored(ge
     (changed / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     m = extract(cfg, changed, tmp_path / "changed", str(smol_model), reuse_from=tmp_path / "old")
     assert (m["this_run"]["reused"], m["this_run"]["stored"]) == (1, 1)
+
+    # nothing new since yesterday: every sample copied and the backend never started (with the vLLM
+    # backend that is a server start, and the GPUs of a running unit, saved)
+    def no_backend(*args, **kwargs):
+        raise AssertionError("the backend started with nothing to compute")
+
+    monkeypatch.setattr("eagle3.extract.hf_backend.extract_hf", no_backend)
+    m = extract(cfg, tmp_path / "gen5", tmp_path / "same", str(smol_model), reuse_from=tmp_path / "old")
+    assert (m["samples"], m["this_run"]["reused"], m["this_run"]["stored"]) == (5, 5, 0)

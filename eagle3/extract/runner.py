@@ -12,6 +12,7 @@ the target, tokenizer fingerprint, layer ids and their convention, dtype, counts
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -125,6 +126,10 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
         errors.append({"id": sid, "reason": reason, "time": time.time()})
 
     def states(examples: Iterator[Example]) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
+        first = next(examples, None)  # copies the reused samples up to the first one to compute
+        if first is None:  # all resumed, reused or skipped: no model load, no server, no GPUs taken
+            return
+        examples = itertools.chain([first], examples)
         if e.backend == "hf":
             from eagle3.extract.hf_backend import extract_hf
 
