@@ -70,6 +70,53 @@ def chains_of_sequence(draft: Any, aux: torch.Tensor, ids: torch.Tensor, start: 
     return accepted
 
 
+@torch.no_grad()
+def chain_accepts(draft: Any, aux: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int,
+                  draft_to_target: torch.Tensor) -> torch.Tensor:
+    """Accepted draft tokens (0..k) of a chain started at EVERY position, for a padded batch.
+
+    ``aux`` [B, L, A*H], ``ids`` [B, L] (right padded), ``lengths`` [B]. Returns int64 [B, L]:
+    ``acc[b, p]`` = leading matches of the chain that starts after the target emitted x[p+1].
+
+    Why this equals :func:`chains_of_sequence` with one forward per draft step instead of one per
+    chain and step: a chain's step i only matters while steps 0..i-1 matched, and then the token
+    it was fed (its own guess) IS the true token x[p+1+i]. So feeding the true tokens to every
+    position at once (the training-time-test unroll: step i at row p sees the step-0 keys <= p
+    and the keys of its own earlier steps at row p, RoPE position p+i) gives the same leading
+    matches. ``tests/test_offline_estimate.py`` checks the two agree."""
+    from eagle3.train import shift_left, ttt_mask
+
+    b, L = ids.shape
+    pos = torch.arange(L, device=ids.device)
+    hidden, past = aux, None
+    valid = torch.ones(b, L, dtype=torch.bool, device=ids.device)
+    acc = torch.zeros(b, L, dtype=torch.int64, device=ids.device)
+    for i in range(k):
+        mask = None if i == 0 else ttt_mask(L, i, ids.device)
+        out, logits, kv = draft(shift_left(ids, 1 + i), hidden, position_ids=pos + i, attn_mask=mask,
+                                past_kv=past, use_cache=True)
+        guess = draft_to_target[logits.argmax(-1)]
+        truth = shift_left(ids, 2 + i, -1)
+        exists = (pos + 2 + i)[None, :] < lengths[:, None]
+        valid = valid & exists & (guess == truth)
+        acc += valid.long()
+        past = kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+        hidden = out
+    return acc
+
+
+def walk_chains(acc: Sequence[int], start: int, length: int) -> list[int]:
+    """The chains vLLM's proposer runs along one sequence, given the accepted count at every start:
+    the first starts at ``start`` (= prompt length - 1), each next one after the accepted tokens
+    plus the target's own token (``p += a + 1``), while a token to check remains."""
+    out, p = [], start
+    while p + 2 <= length - 1:
+        a = int(acc[p])
+        out.append(a)
+        p += a + 1
+    return out
+
+
 def summarize_chains(accepted: Sequence[int], k: int) -> dict[str, Any]:
     n = len(accepted)
     if n == 0:
@@ -82,6 +129,21 @@ def summarize_chains(accepted: Sequence[int], k: int) -> dict[str, Any]:
     }
 
 
+def load_draft_for_eval(draft_dir: str | Path, target_dir: str | Path, device: str = "cpu"
+                        ) -> tuple[Any, torch.Tensor]:
+    """(the exported draft in float32 with the target's embedding, eval mode on ``device``;
+    the draft-index -> target-id map [D])."""
+    from eagle3.export import load_exported
+
+    draft, d2t, _ = load_exported(draft_dir, dtype=torch.float32)
+    draft.load_embeddings(target_dir)
+    draft.eval().to(device)
+    draft_to_target = torch.arange(draft.config.draft_vocab_size, dtype=torch.int64)
+    if d2t is not None:
+        draft_to_target = draft_to_target + d2t.to(torch.int64)
+    return draft, draft_to_target.to(device)
+
+
 @torch.no_grad()
 def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences: Sequence[tuple[list[int], list[int]]],
                        k: int, *, max_sequences: int | None = None, device: str = "cpu") -> dict[str, Any]:
@@ -89,20 +151,11 @@ def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences:
     on ``sequences`` = [(prompt_token_ids, greedy_output_token_ids)]."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3.export import load_exported
     from eagle3.model import checkpoint_dir
 
     target_dir = checkpoint_dir(target_dir)
-    draft, d2t, _ = load_exported(draft_dir, dtype=torch.float32)
-    draft.load_embeddings(target_dir)
-    draft.eval().to(device)
-    n_draft = draft.config.draft_vocab_size
-    draft_to_target = torch.arange(n_draft, dtype=torch.int64)
-    if d2t is not None:
-        draft_to_target = draft_to_target + d2t.to(torch.int64)
-    draft_to_target = draft_to_target.to(device)
+    draft, draft_to_target = load_draft_for_eval(draft_dir, target_dir, device)
     aux_layers = list(draft.config.aux_layer_ids)
-
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     accepted: list[int] = []
     used = 0
@@ -112,6 +165,8 @@ def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences:
         ids = torch.tensor(list(prompt) + list(output), dtype=torch.int64, device=device)
         hs = target(ids.unsqueeze(0), output_hidden_states=True).hidden_states
         aux = torch.cat([hs[layer][0] for layer in aux_layers], dim=-1)
-        accepted += chains_of_sequence(draft, aux, ids, len(prompt) - 1, k, draft_to_target)
+        acc = chain_accepts(draft, aux[None], ids[None], torch.tensor([ids.numel()], device=device), k,
+                            draft_to_target)
+        accepted += walk_chains(acc[0].tolist(), len(prompt) - 1, ids.numel())
         used += 1
     return {**summarize_chains(accepted, k), "sequences": used, "k": k}
