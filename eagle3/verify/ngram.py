@@ -1,0 +1,149 @@
+"""Prompt lookup (n-gram) speculation simulated over exact token ids: the free baseline a trained
+draft has to beat.
+
+Semantics of vLLM 0.32's proposer (``vllm/v1/spec_decode/ngram_proposer.py``,
+``_find_longest_matched_ngram_and_propose_tokens``; read from the installed source, and
+``tests/test_ngram.py`` runs that very function against this one when ``.venv-vllm`` is there):
+
+- the context is every token so far (prompt + output, including the token just emitted);
+- find the LONGEST n in [n_min, n_max] such that the context's last n tokens occur earlier in
+  the context (an occurrence may overlap the suffix, but must start before it);
+- of the occurrences of that n-gram take the FIRST one (the earliest in the context, not the
+  most recent: vLLM's KMP scan over the reversed tokens keeps the last hit, which is the earliest
+  position in the original order);
+- propose the up-to-k tokens that follow it; fewer than k when the context ends sooner (the
+  proposal never runs past the context), nothing when no n-gram of length >= n_min matches.
+
+vLLM's ``/metrics`` counts only the steps where something was proposed
+(``vllm:spec_decode_num_drafts_total`` moves only for a non-empty draft), so its mean acceptance
+length is over proposing steps; an EAGLE draft proposes at every step. :func:`simulate_ngram`
+reports both: over all steps (``acceptance_length``, the same definition as the draft's) and over
+proposing steps (``acceptance_length_proposing``, vLLM's number).
+
+The chain walk is :func:`eagle3.verify.offline.chains_of_sequence`'s: chain start p = P-1 (the
+target has just emitted x[p+1]); the proposer sees x[:p+2]; accepted a = leading matches of the
+proposal with x[p+2 : p+2+k]; the next chain starts at p + a + 1; the last chain is cut to the
+tokens that exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class NgramIndex:
+    """A growing context with the first occurrence of every n-gram (n_min <= n <= n_max) that is
+    followed by at least one token, so each proposal costs O(n_max) instead of a scan."""
+
+    def __init__(self, n_min: int = 1, n_max: int = 4) -> None:
+        if n_min < 1 or n_max < n_min:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self.first: dict[tuple[int, ...], int] = {}  # n-gram -> start of its first occurrence
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            # the n-grams ending at the current last token get a following token now
+            end = len(self.tokens)  # exclusive end of those n-grams
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self.first.setdefault(tuple(self.tokens[end - n : end]), end - n)
+            self.tokens.append(int(t))
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens after the first earlier occurrence of the longest matching suffix."""
+        total = len(self.tokens)
+        if k <= 0:
+            return []
+        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
+            start = self.first.get(tuple(self.tokens[total - n :]))
+            if start is not None:
+                return self.tokens[start + n : start + n + k]
+        return []
+
+
+def propose_ngram(context: Sequence[int], k: int, n_min: int = 1, n_max: int = 4) -> list[int]:
+    """vLLM's n-gram proposal for ``context``: at most ``k`` tokens, ``[]`` for no match."""
+    idx = NgramIndex(n_min, n_max)
+    idx.extend(context)
+    return idx.propose(k)
+
+
+class NgramChains(list):
+    """Accepted tokens (0..k) per chain, a plain ``list[int]``; ``proposed`` holds how many tokens
+    were proposed in each chain (0: no match, vLLM counts no draft for that step)."""
+
+    def __init__(self, accepted: Sequence[int] = (), proposed: Sequence[int] = ()) -> None:
+        super().__init__(accepted)
+        self.proposed: list[int] = list(proposed)
+
+    @property
+    def no_proposal(self) -> int:
+        """Chains (target steps) where the proposer found nothing."""
+        return sum(1 for p in self.proposed if p == 0)
+
+
+def ngram_chains(prompt: Sequence[int], output: Sequence[int], k: int, n_min: int = 1,
+                 n_max: int = 4) -> NgramChains:
+    """Accepted count of each chain along prompt + output (the offline estimate's chain walk).
+
+    The result is a list of ints; ``.proposed`` gives the tokens proposed per chain and
+    ``.no_proposal`` the number of chains that proposed nothing."""
+    x = [int(t) for t in prompt] + [int(t) for t in output]
+    L = len(x)
+    start = len(prompt) - 1
+    out = NgramChains()
+    if start < 0 or L - start < 3:
+        return out
+    idx = NgramIndex(n_min, n_max)
+    p = start
+    idx.extend(x[: p + 2])
+    while p + 2 <= L - 1:
+        proposal = idx.propose(k)
+        a = 0
+        for d, t in zip(proposal, x[p + 2 : p + 2 + k]):
+            if d != t:
+                break
+            a += 1
+        out.append(a)
+        out.proposed.append(len(proposal))
+        nxt = p + a + 1
+        idx.extend(x[p + 2 : nxt + 2])
+        p = nxt
+    return out
+
+
+def simulate_ngram(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int, n_min: int = 1,
+                   n_max: int = 4) -> dict[str, Any]:
+    """:func:`eagle3.verify.offline.summarize_chains`'s dict over every chain of ``sequences`` =
+    [(prompt_token_ids, output_token_ids)], plus what vLLM's counters would say (proposing steps
+    only): ``proposing_chains``, ``acceptance_length_proposing``, ``acceptance_rate_proposing``
+    (accepted / proposed tokens) and ``acceptance_per_position_proposing``."""
+    from eagle3.verify.offline import summarize_chains
+
+    accepted: list[int] = []
+    proposed: list[int] = []
+    used = 0
+    for prompt, output in sequences:
+        if not prompt or len(output) < 2:
+            continue
+        c = ngram_chains(prompt, output, k, n_min, n_max)
+        accepted += c
+        proposed += c.proposed
+        used += 1
+    acc_p = [a for a, n in zip(accepted, proposed) if n > 0]
+    m = len(acc_p)
+    return {
+        **summarize_chains(accepted, k),
+        "proposing_chains": m,
+        "acceptance_length_proposing": 1 + sum(acc_p) / m if m else None,
+        "acceptance_rate_proposing": sum(acc_p) / sum(proposed) if m else None,
+        "acceptance_per_position_proposing": [sum(1 for a in acc_p if a > i) / m for i in range(k)] if m else [],
+        "accepted_tokens": sum(accepted),
+        "proposed_tokens": sum(proposed),
+        "sequences": used,
+        "k": k,
+        "n_min": n_min,
+        "n_max": n_max,
+    }
