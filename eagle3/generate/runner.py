@@ -242,7 +242,7 @@ def load_prompts(cfg: PipelineConfig, stats: PromptStats) -> Iterator[Prompt | S
     return iter_prompts(
         g.dataset, split=g.split, data_format=g.data_format, prompt_column=g.prompt_column,
         messages_column=g.messages_column, turns=g.turns, num_samples=g.num_samples, seed=g.seed,
-        exclude=exclusion_keys(g.exclude_files), stats=stats,
+        exclude=exclusion_keys(g.exclude_files, mt_bench=g.exclude_mt_bench), stats=stats,
     )
 
 
