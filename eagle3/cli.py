@@ -431,7 +431,9 @@ def estimate_acceptance(
     max_sequences: Annotated[int, typer.Option()] = 32,
 ) -> None:
     """Acceptance in PyTorch alone (target + draft, greedy chains) on generated samples: a quick
-    check without a server. Best on held-out greedy samples; on training samples it is optimistic."""
+    check without a server. Best on held-out greedy samples; on training samples it is optimistic.
+    The n-gram (prompt lookup) baseline is simulated on the same sequences next to it (the profile's
+    verify.ngram_prompt_lookup_min / _max)."""
     from eagle3.embedded import resolve_model
     from eagle3.generate.storage import iter_samples
     from eagle3.verify import offline_acceptance
@@ -445,8 +447,17 @@ def estimate_acceptance(
             break
     if not seqs:
         _fail("no generated samples to score")
-    r = offline_acceptance(model, draft, seqs, k)
+    v = cfg.verify
+    r = offline_acceptance(model, draft, seqs, k, ngram_lookup=(v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max))
     typer.echo(json.dumps(r, indent=2))
+    ng = r["ngram"]
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    typer.echo(f"draft: acceptance length {fmt(r['acceptance_length'])} over {r['chains']} chains of "
+               f"{r['sequences']} sequences (k={k})\n"
+               f"n-gram baseline (prompt lookup, n {v.ngram_prompt_lookup_min}..{v.ngram_prompt_lookup_max}), same "
+               f"sequences: acceptance length {fmt(ng['acceptance_length'])} over all steps, "
+               f"{fmt(ng['acceptance_length_proposing'])} over the {ng['proposing_chains']} steps where it proposed "
+               "(what vLLM's /metrics would count)")
 
 
 if __name__ == "__main__":

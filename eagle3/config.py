@@ -276,11 +276,25 @@ class VerifyConfig(_Section):
     candidate_link: str | None = Field(None, description="systemd backend: a stable path the speculative unit's "
                                        "--speculative-config names; verify points this symlink at the draft under "
                                        "test before starting the unit.")
+    # The free baseline every draft must beat: prompt lookup, vLLM's {"method": "ngram"} (docs/verify.md).
+    ngram_baseline: bool = Field(True, description="Also serve the target with n-gram (prompt lookup) "
+                                 "speculation on the same workload and report it next to the draft.")
+    ngram_prompt_lookup_min: int = Field(1, ge=1, description="vLLM prompt_lookup_min: shortest n-gram matched.")
+    ngram_prompt_lookup_max: int = Field(4, ge=1, description="vLLM prompt_lookup_max: longest n-gram matched.")
+    require_beat_ngram: bool = Field(False, description="Gate: fail unless the draft's acceptance length and its "
+                                     "speedup at the lowest concurrency both exceed the n-gram baseline's.")
+    ngram_base_url: str | None = Field(None, description="external backend: a server running the target with "
+                                       "the n-gram speculative config (without it the baseline is not measured).")
+    ngram_unit: str | None = Field(None, description="systemd backend: a unit serving the target with the "
+                                   "n-gram speculative config (without it the baseline is not measured).")
 
     @model_validator(mode="after")
     def _candidate_with_unit(self) -> "VerifyConfig":
         if self.speculative_unit and not self.candidate_link:
             raise ValueError("verify.speculative_unit needs verify.candidate_link (the draft path its unit serves)")
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(f"verify.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) is above "
+                             f"verify.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})")
         return self
 
     @field_validator("concurrency")

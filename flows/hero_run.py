@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import shutil
 import time
 from pathlib import Path
@@ -207,6 +208,9 @@ def _report(cfg: PipelineConfig, summary: dict[str, Any]) -> None:
         v = info.get("verify", {})
         lines.append(f"- **verify: acceptance length {summary.get('acceptance_length')}**, speedup {v.get('speedup')}, "
                      f"gate {(v.get('gate') or {}).get('passed')}")
+        ngram = ngram_summary(stages.get("verify", {}).get("dir"))
+        if ngram:
+            lines.append(f"- n-gram baseline (prompt lookup, same workload): {ngram}")
     if summary.get("failed"):
         lines.append(f"- **failed in {summary['failed']['stage']}**: {summary['failed']['error']}")
     lines += ["", "| stage | status | key | task s | library s |", "|---|---|---|---|---|"]
@@ -302,6 +306,23 @@ def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[
     return summary
 
 
+def ngram_summary(verify_dir: str | None) -> str | None:
+    """The n-gram baseline next to the draft, from the verify report (a cached verify has it too)."""
+    try:
+        report = json.loads((Path(verify_dir) / "report.json").read_text()) if verify_dir else None
+    except (OSError, ValueError):
+        return None
+    ng = (report or {}).get("ngram")
+    if not ng:
+        return None
+    if not ng.get("measured"):
+        return f"not measured ({ng.get('reason')})"
+    r = lambda x: None if x is None else round(x, 4)  # noqa: E731
+    speedup = {c: r(x) for c, x in (ng.get("speedup") or {}).items()}
+    return (f"acceptance length {r(ng.get('acceptance_length_all_steps'))} over all steps "
+            f"({r(ng.get('acceptance_length'))} in vLLM's count over the steps where it proposed), speedup {speedup}")
+
+
 def dry_run(params: HeroRunParams) -> dict[str, Any]:
     """What ``hero_run(params)`` would do and what would stop it here; no Prefect, nothing started.
 
@@ -366,7 +387,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"verify: speedup {vf.get('speedup')}, acceptance per position {per_pos}, "
               f"gate {'passed' if (vf.get('gate') or {}).get('passed') else 'FAILED'}"
               f"{', promoted to ' + vf['promoted'] if vf.get('promoted') else ''}")
-        print(f"acceptance length: {summary['acceptance_length']}")
+        ngram = ngram_summary(summary["stages"]["verify"].get("dir"))
+        print(f"acceptance length: {summary['acceptance_length']}"
+              + (f" (n-gram baseline: {ngram})" if ngram else ""))
     return summary
 
 

@@ -1,4 +1,5 @@
-"""Prefect task around `eagle3.verify.verify`: baseline vs speculative server, report, gate.
+"""Prefect task around `eagle3.verify.verify`: baseline vs speculative server (and the n-gram
+baseline server), report, gate.
 
 No retries: a failed gate is a result, not a transient error (the report is written first)."""
 
@@ -28,7 +29,7 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
 
     logger = get_run_logger()
     v = cfg.verify
-    windows = 2 * len(v.concurrency)  # both servers, every concurrency
+    windows = (3 if v.ngram_baseline else 2) * len(v.concurrency)  # every server, every concurrency
     windows_done: dict[tuple[str, int], int] = {}
     artifact = create_progress_artifact(0.0, key="verify-progress", description="verify: requests done")
     last = [0.0]
@@ -43,14 +44,25 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
         report = json.loads((out / "report.json").read_text())
         per_pos = report["acceptance"]["acceptance_per_position"]
         offline = (report.get("offline") or {}).get("acceptance_per_position") or []
-        create_table_artifact(key="verify-acceptance", description="Acceptance per draft position", table=[
-            {"position": i, "vLLM accepted / drafts": round(x, 4),
-             "offline estimate": round(offline[i], 4) if i < len(offline) else None} for i, x in enumerate(per_pos)])
-        create_table_artifact(key="verify-throughput", description="Baseline vs speculative", table=[
+        ng = report.get("ngram") if (report.get("ngram") or {}).get("measured") else {}
+        ng_pos = ng.get("acceptance_per_position") or []
+        ng_all = ng.get("acceptance_per_position_all_steps") or []
+        at = lambda xs, i: round(xs[i], 4) if i < len(xs) else None  # noqa: E731
+        create_table_artifact(key="verify-acceptance", description="Acceptance per draft position (draft vs "
+                              "the n-gram baseline)", table=[
+            {"position": i, "vLLM accepted / drafts": round(x, 4), "offline estimate": at(offline, i),
+             "n-gram (vLLM, proposing steps)": at(ng_pos, i), "n-gram (all steps, simulated)": at(ng_all, i)}
+            for i, x in enumerate(per_pos)])
+        ng_windows = {w["concurrency"]: w for w in ng.get("windows") or []}
+        create_table_artifact(key="verify-throughput", description="Baseline vs speculative vs n-gram", table=[
             {"concurrency": w["concurrency"], "baseline tok/s": w["baseline"]["output_tokens_per_s"],
              "speculative tok/s": w["speculative"]["output_tokens_per_s"], "speedup": w["speedup"],
              "acceptance length": w["speculative"]["acceptance_length"],
-             "greedy mismatches": (w["outputs"] or {}).get("mismatches")} for w in report["windows"]])
+             "greedy mismatches": (w["outputs"] or {}).get("mismatches"),
+             "n-gram tok/s": (ng_windows.get(w["concurrency"]) or {}).get("ngram", {}).get("output_tokens_per_s"),
+             "n-gram speedup": (ng_windows.get(w["concurrency"]) or {}).get("speedup"),
+             "n-gram acceptance length": (ng_windows.get(w["concurrency"]) or {}).get("ngram", {}).get(
+                 "acceptance_length")} for w in report["windows"]])
         create_markdown_artifact(key="verify-report", markdown=(out / "report.md").read_text()
                                  + f"\n\nPlot: `{out / 'report.png'}`\n")
 
@@ -62,6 +74,10 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
         raise
     update_progress_artifact(artifact, 100.0)
     publish(Path(out_dir))
-    logger.info("verify: acceptance length %s, speedup %s, gate passed, promoted %s",
-                report["acceptance_length"], report["speedup"], report["promoted"])
+    ng = report.get("ngram") or {}
+    logger.info("verify: acceptance length %s, speedup %s, gate passed, promoted %s; n-gram baseline %s",
+                report["acceptance_length"], report["speedup"], report["promoted"],
+                f"acceptance length {ng.get('acceptance_length')} (proposing steps), "
+                f"{ng.get('acceptance_length_all_steps')} (all steps), speedup {ng.get('speedup')}"
+                if ng.get("measured") else f"not measured ({ng.get('reason')})")
     return report

@@ -76,6 +76,17 @@ def test_partial_proposal_counts_only_what_was_proposed():
     assert s["proposed_tokens"] == sum(c.proposed)
 
 
+def test_unchecked_tokens_at_the_end():
+    # x = 5 6 7 8 5 6: the only chain proposes 6 7 8 after [5]; only x[5] = 6 exists to check it
+    c = ngram_chains([5, 6, 7, 8], [5, 6], k=3)
+    assert list(c) == [1] and c.proposed == [3] and c.unchecked == [2]
+    # a mismatch before the end: nothing is left unchecked (vLLM rejects there too)
+    c = ngram_chains([5, 6, 7, 8], [5, 9], k=3)
+    assert list(c) == [0] and c.unchecked == [0]
+    s = simulate_ngram([([5, 6, 7, 8], [5, 6]), ([5, 6, 7, 8], [5, 9])], k=3)
+    assert s["accepted_tokens"] == 1 and s["proposed_tokens"] == 6 and s["unchecked_tokens"] == 2
+
+
 def test_simulate_skips_degenerate_and_handles_no_proposals():
     s = simulate_ngram([([], [1, 2, 3]), ([1], [2])], k=3)
     assert s["chains"] == 0 and s["sequences"] == 0 and s["acceptance_length_proposing"] is None

@@ -127,6 +127,91 @@ def test_offline_chains(right, k, expect):
     assert sum(a + 1 for a in accepted) <= 40 - 9
 
 
+def test_gate_require_beat_ngram():
+    cond = {"workload_fingerprint": "w", "num_speculative_tokens": 3, "temperature": 0.0, "max_tokens": 64}
+    kw = dict(min_acceptance_length=1.0, max_regression=0.05)
+    vs = {"concurrency": 1, "draft": {"acceptance_length": 2.1, "speedup": 1.3},
+          "ngram": {"acceptance_length": 2.0, "acceptance_length_all_steps": 1.7, "speedup": 1.1}}
+    ok = evaluate_gate(2.1, cond, None, **kw, require_beat_ngram=True, versus_ngram=vs)
+    assert ok.passed and ok.checks["beats_ngram"] is True
+    slow = {**vs, "draft": {"acceptance_length": 2.1, "speedup": 1.05}}
+    g = evaluate_gate(2.1, cond, None, **kw, require_beat_ngram=True, versus_ngram=slow)
+    assert not g.passed and g.reasons == ["speedup at concurrency 1 x1.050 does not exceed the n-gram baseline's x1.100"]
+    short = {**vs, "draft": {"acceptance_length": 1.9, "speedup": 1.3}}
+    g = evaluate_gate(1.9, cond, None, **kw, require_beat_ngram=True, versus_ngram=short)
+    assert not g.passed and "acceptance length 1.900 does not exceed the n-gram baseline's 2.000" in g.reasons[0]
+    assert "1.700 over all steps" in g.reasons[0]
+    # not required: reported in the checks only
+    info = evaluate_gate(1.9, cond, None, **kw, versus_ngram=short)
+    assert info.passed and info.checks["beats_ngram"] is False
+    missing = evaluate_gate(2.1, cond, None, **kw, require_beat_ngram=True, versus_ngram=None,
+                            ngram_reason="serve.backend external: no verify.ngram_base_url")
+    assert not missing.passed and "not measured (serve.backend external" in missing.reasons[0]
+    assert evaluate_gate(2.1, cond, None, **kw).checks["require_beat_ngram"] is False
+
+
+def _run(concurrency, seqs, tok_s):
+    from eagle3.verify.client import TurnResult, WorkloadRun
+
+    results = [TurnResult(f"c{i}", 0, p, o, "", "length", 1.0) for i, (p, o) in enumerate(seqs)]
+    return WorkloadRun(concurrency, sum(len(o) for _, o in seqs) / tok_s, results)
+
+
+def test_ngram_section_report_and_plot(tmp_path):
+    """The n-gram part of the report from client runs and counters (no server): vLLM's figures,
+    the simulation over the server's own outputs next to them, speedups, markdown and plot."""
+    from eagle3.config import load_config
+    from eagle3.verify.ngram import ngram_chains
+    from eagle3.verify.report import plot, render_markdown
+    from eagle3.verify.runner import ngram_section, versus_ngram
+    from tests.conftest import CPU_PROFILE
+
+    cfg = load_config(CPU_PROFILE, ["verify.concurrency=[1, 4]"])
+    seqs = [([1, 2, 3], [4, 1, 2, 3, 9, 9]), ([10, 11, 12, 13, 14], [10, 11, 12, 13, 14] * 4)]
+    chains = [ngram_chains(p, o, 3) for p, o in seqs]
+    props = [c for ch in chains for c, n in zip(ch, ch.proposed) if n]
+    per_pos = {i: float(sum(1 for a in props if a > i)) for i in range(3)}
+    # counters as a vLLM that proposes exactly like the simulation would show them
+    n0 = Snapshot()
+    n1 = Snapshot(drafts=len(props), draft_tokens=sum(n for ch in chains for n in ch.proposed), accepted=sum(props),
+                  accepted_per_pos=per_pos, generation_tokens=sum(len(o) for _, o in seqs))
+    base = [(_run(c, seqs, 10.0), Snapshot(), Snapshot()) for c in (1, 4)]
+    ngramw = [(_run(c, seqs, 15.0), n0, n1) for c in (1, 4)]
+    windows = [{"concurrency": c, "baseline": {"output_tokens_per_s": 10.0, "server_mean_tpot_s": None},
+                "speculative": {"output_tokens_per_s": 12.0, "acceptance_length": 1.5, "server_mean_tpot_s": None},
+                "speedup": 1.2, "tpot_ratio": None, "outputs": None} for c in (1, 4)]
+    ng = ngram_section(cfg, windows, base, ngramw, {"ready_s": 40.0}, None)
+    assert ng["measured"] and ng["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                           "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert ng["speedup"] == {"1": pytest.approx(1.5), "4": pytest.approx(1.5)}
+    assert ng["acceptance_length"] == pytest.approx(1 + sum(props) / len(props))  # vLLM: proposing steps
+    assert ng["acceptance_length_all_steps"] < ng["acceptance_length"]  # the first sequence has empty steps
+    sv = ng["windows"][0]["simulated_vs_vllm"]
+    assert sv["drafts"]["simulated"] == sv["drafts"]["vllm"] and sv["accepted"]["simulated"] == sv["accepted"]["vllm"]
+    assert sv["acceptance_length_proposing"]["difference"] == pytest.approx(0)
+    assert ng["outputs"]["compared"] == 4 and ng["outputs"]["mismatches"] == 0  # greedy: same tokens as the baseline
+    vs = versus_ngram(1.5, windows, ng)
+    assert vs["concurrency"] == 1 and vs["draft"]["speedup"] == 1.2 and vs["ngram"]["speedup"] == pytest.approx(1.5)
+    assert not evaluate_gate(1.5, {}, None, min_acceptance_length=1, max_regression=0.05,
+                             require_beat_ngram=True, versus_ngram=vs).passed
+
+    report = {"profile": "p", "draft_dir": "d", "num_speculative_tokens": 3, "temperature": 0.0, "max_tokens": 64,
+              "workload": {"name": "w", "conversations": 2, "turns": 1, "fingerprint": "f"},
+              "acceptance": {"acceptance_length": 1.5, "acceptance_rate": 0.2, "acceptance_per_position": [0.3, 0.15, 0.05]},
+              "windows": windows, "offline": None, "ngram": ng, "versus_ngram": vs,
+              "gate": {"passed": True, "reasons": [], "checks": {"beats_ngram": False}}, "promoted": None,
+              "servers": {"baseline": {"ready_s": 40.0}, "speculative": {"ready_s": 41.0}, "ngram": {"ready_s": 40.0}}}
+    md = render_markdown(report)
+    assert "## N-gram baseline (prompt lookup) vs the draft" in md and "draft beats n-gram: no" in md
+    assert f"| acceptance length | 1.500 | {ng['acceptance_length']:.3f} | {ng['acceptance_length_all_steps']:.3f} |" in md
+    assert "| 4 | 10.0 | 12.0 | 1.200 | 15.0 | 1.500 |" in md and "n-gram in 40.0 s" in md
+    assert plot(report, tmp_path / "r.png").stat().st_size > 0
+    off = ngram_section(cfg, windows, base, None, None, "serve.backend external: no verify.ngram_base_url")
+    assert not off["measured"] and versus_ngram(1.5, windows, off) is None
+    assert "n-gram baseline: not measured (serve.backend external" in render_markdown({**report, "ngram": off,
+                                                                                        "versus_ngram": None})
+
+
 @pytest.mark.vllm
 def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
     """Baseline, then target + the trained draft: the report's numbers are the raw counters' numbers."""
@@ -180,6 +265,33 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
           f"greedy mismatches {r['outputs']['mismatches']}/{r['outputs']['compared']}, offline "
           f"{r['offline']['acceptance_length']:.3f} (diff {r['offline']['difference_from_vllm']:+.3f})")
     assert r["offline"]["chains"] > 0 and math.isfinite(r["offline"]["difference_from_vllm"])
+    assert r["offline"]["ngram"]["chains"] > 0  # the n-gram simulated on the offline estimate's sequences
+
+    # The n-gram baseline (a third server, same prompts): vLLM's counters, and the simulation over
+    # that server's own outputs counting the same drafts and draft tokens, and the same accepted
+    # tokens but for those past the end of a sequence (vLLM verified them, then cut the output).
+    ng = r["ngram"]
+    assert ng["measured"] and ng["server"]["ready_s"] > 0 and set(ng["speedup"]) == {"1", "3"}
+    for nw in ng["windows"]:
+        s = nw["ngram"]
+        before, after = s["counters"]["before"], s["counters"]["after"]
+        assert after["generation_tokens"] - before["generation_tokens"] == s["output_tokens"] > 0
+        drafts, acc = after["drafts"] - before["drafts"], after["accepted"] - before["accepted"]
+        assert drafts <= after["draft_tokens"] - before["draft_tokens"] <= k * drafts
+        assert sum(after["accepted_per_pos"].get(str(i), 0) - before["accepted_per_pos"].get(str(i), 0)
+                   for i in range(k)) == acc
+        assert nw["outputs"]["mismatches"] == 0  # float32 greedy: n-gram speculation changes nothing either
+        sv = nw["simulated_vs_vllm"]
+        print(f"n-gram c={nw['concurrency']}: " + ", ".join(f"{n} {sv[n]}" for n in sv))
+        assert [sv[n]["simulated"] for n in ("drafts", "draft_tokens")] == [sv[n]["vllm"] for n in ("drafts", "draft_tokens")], sv
+        a = sv["accepted"]  # vLLM may have accepted proposed tokens past max_tokens before cutting the output
+        assert a["simulated"] <= a["vllm"] <= a["simulated"] + a["unchecked_at_ends"], sv
+    assert len((out / "outputs" / "ngram-c1.jsonl").read_text().splitlines()) == 5
+    assert r["versus_ngram"]["concurrency"] == 1 and r["gate"]["checks"]["beats_ngram"] in (True, False)
+    print(f"n-gram: acceptance length {ng['acceptance_length']} (vLLM, proposing steps), "
+          f"{ng['acceptance_length_all_steps']:.3f} over all steps; speedup {ng['speedup']}; ready in "
+          f"{ng['server']['ready_s']} s")
+    assert "## N-gram baseline (prompt lookup) vs the draft" in (out / "report.md").read_text()
     assert r["gate"]["passed"] and r["promoted"]
     assert os.path.realpath(tmp_path / "promoted" / "smollm2-cpu" / "latest") == os.path.realpath(r["promoted"])
 

@@ -10,6 +10,9 @@ Promoted drafts of a profile live in ``<runs_dir>/promoted/<profile>/``::
 "Not worse than the last promoted draft" compares acceptance lengths only when the workload,
 ``num_speculative_tokens`` and temperature are the same; otherwise the comparison is reported
 as not applicable (an acceptance length on another workload says nothing).
+
+``verify.require_beat_ngram`` adds: the draft's acceptance length and its speedup at the lowest
+concurrency must both exceed the n-gram (prompt lookup) baseline's, measured on the same workload.
 """
 
 from __future__ import annotations
@@ -53,9 +56,34 @@ def comparable(prev: dict[str, Any], cur: dict[str, Any]) -> bool:
     return all(prev.get(k) == cur.get(k) for k in keys)
 
 
+def beat_ngram_reasons(versus: dict[str, Any] | None, ngram_reason: str | None = None) -> list[str]:
+    """Why the draft does not beat the n-gram baseline (``runner.versus_ngram``'s dict); [] if it does.
+
+    Both must exceed the baseline's: the acceptance length (against vLLM's own n-gram figure, counted
+    over the steps where n-gram proposed: the stricter one) and the speedup at the lowest concurrency."""
+    if versus is None:
+        return [f"verify.require_beat_ngram: the n-gram baseline was not measured ({ngram_reason or 'unknown'})"]
+    reasons = []
+    d, n, c = versus["draft"], versus["ngram"], versus["concurrency"]
+    dal, nal = d["acceptance_length"], n["acceptance_length"]
+    if dal is None or dal <= nal:
+        reasons.append(f"acceptance length {'-' if dal is None else f'{dal:.3f}'} does not exceed the n-gram "
+                       f"baseline's {nal:.3f} (vLLM's count over the steps where n-gram proposed; "
+                       f"{_fmt(n.get('acceptance_length_all_steps'))} over all steps)")
+    ds, ns = d["speedup"], n["speedup"]
+    if ds is None or ns is None or ds <= ns:
+        reasons.append(f"speedup at concurrency {c} x{_fmt(ds)} does not exceed the n-gram baseline's x{_fmt(ns)}")
+    return reasons
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def evaluate_gate(acceptance_length: float | None, conditions: dict[str, Any], prev: dict[str, Any] | None, *,
                   min_acceptance_length: float, max_regression: float, mismatch_fraction: float | None = None,
-                  max_mismatch_fraction: float | None = None) -> GateResult:
+                  max_mismatch_fraction: float | None = None, require_beat_ngram: bool = False,
+                  versus_ngram: dict[str, Any] | None = None, ngram_reason: str | None = None) -> GateResult:
     reasons: list[str] = []
     checks: dict[str, Any] = {"min_acceptance_length": min_acceptance_length, "max_regression": max_regression}
     if acceptance_length is None:
@@ -77,6 +105,12 @@ def evaluate_gate(acceptance_length: float | None, conditions: dict[str, Any], p
         if mismatch_fraction > max_mismatch_fraction:
             reasons.append(f"{mismatch_fraction:.1%} of greedy outputs differ from the baseline "
                            f"(allowed {max_mismatch_fraction:.1%})")
+    checks["require_beat_ngram"] = require_beat_ngram
+    if versus_ngram is not None or require_beat_ngram:
+        not_beaten = beat_ngram_reasons(versus_ngram, ngram_reason)
+        checks["beats_ngram"] = None if versus_ngram is None else not not_beaten
+        if require_beat_ngram:
+            reasons += not_beaten
     return GateResult(not reasons, reasons, checks)
 
 

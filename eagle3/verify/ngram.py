@@ -72,11 +72,16 @@ def propose_ngram(context: Sequence[int], k: int, n_min: int = 1, n_max: int = 4
 
 class NgramChains(list):
     """Accepted tokens (0..k) per chain, a plain ``list[int]``; ``proposed`` holds how many tokens
-    were proposed in each chain (0: no match, vLLM counts no draft for that step)."""
+    were proposed in each chain (0: no match, vLLM counts no draft for that step), ``unchecked``
+    how many proposed tokens could not be checked because the sequence ended while all before them
+    matched (only a last chain: vLLM, which still had the target's logits there, may have accepted
+    them before cutting the output at max_tokens or a stop token)."""
 
-    def __init__(self, accepted: Sequence[int] = (), proposed: Sequence[int] = ()) -> None:
+    def __init__(self, accepted: Sequence[int] = (), proposed: Sequence[int] = (),
+                 unchecked: Sequence[int] = ()) -> None:
         super().__init__(accepted)
         self.proposed: list[int] = list(proposed)
+        self.unchecked: list[int] = list(unchecked)
 
     @property
     def no_proposal(self) -> int:
@@ -101,13 +106,15 @@ def ngram_chains(prompt: Sequence[int], output: Sequence[int], k: int, n_min: in
     idx.extend(x[: p + 2])
     while p + 2 <= L - 1:
         proposal = idx.propose(k)
+        truth = x[p + 2 : p + 2 + k]
         a = 0
-        for d, t in zip(proposal, x[p + 2 : p + 2 + k]):
+        for d, t in zip(proposal, truth):
             if d != t:
                 break
             a += 1
         out.append(a)
         out.proposed.append(len(proposal))
+        out.unchecked.append(len(proposal) - a if a == len(truth) < len(proposal) else 0)
         nxt = p + a + 1
         idx.extend(x[p + 2 : nxt + 2])
         p = nxt
@@ -119,11 +126,17 @@ def simulate_ngram(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: 
     """:func:`eagle3.verify.offline.summarize_chains`'s dict over every chain of ``sequences`` =
     [(prompt_token_ids, output_token_ids)], plus what vLLM's counters would say (proposing steps
     only): ``proposing_chains``, ``acceptance_length_proposing``, ``acceptance_rate_proposing``
-    (accepted / proposed tokens) and ``acceptance_per_position_proposing``."""
+    (accepted / proposed tokens) and ``acceptance_per_position_proposing``; the totals
+    ``accepted_tokens``, ``proposed_tokens`` and ``unchecked_tokens``.
+
+    Run on a server's own outputs, ``proposing_chains`` and ``proposed_tokens`` are vLLM's
+    ``num_drafts`` and ``num_draft_tokens`` exactly; its ``num_accepted_tokens`` lies in
+    [accepted_tokens, accepted_tokens + unchecked_tokens] (seen on vLLM 0.32 CPU: tests/test_verify.py)."""
     from eagle3.verify.offline import summarize_chains
 
     accepted: list[int] = []
     proposed: list[int] = []
+    unchecked = 0
     used = 0
     for prompt, output in sequences:
         if not prompt or len(output) < 2:
@@ -131,6 +144,7 @@ def simulate_ngram(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: 
         c = ngram_chains(prompt, output, k, n_min, n_max)
         accepted += c
         proposed += c.proposed
+        unchecked += sum(c.unchecked)
         used += 1
     acc_p = [a for a, n in zip(accepted, proposed) if n > 0]
     m = len(acc_p)
@@ -142,8 +156,16 @@ def simulate_ngram(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: 
         "acceptance_per_position_proposing": [sum(1 for a in acc_p if a > i) / m for i in range(k)] if m else [],
         "accepted_tokens": sum(accepted),
         "proposed_tokens": sum(proposed),
+        # proposed tokens past the end of a sequence after a fully matching prefix: vLLM's accepted
+        # count may exceed accepted_tokens by up to this many (it verifies them, then cuts the output)
+        "unchecked_tokens": unchecked,
         "sequences": used,
         "k": k,
         "n_min": n_min,
         "n_max": n_max,
     }
+
+
+def vllm_ngram_config(k: int, n_min: int = 1, n_max: int = 4) -> dict[str, Any]:
+    """The ``--speculative-config`` that serves this baseline in vLLM (works on vLLM CPU with -O0)."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}

@@ -16,6 +16,10 @@ Mean acceptance length = mean over chains of (a + 1), the same definition as vLL
 ``1 + accepted / drafts``. Differences from vLLM: float32 here vs the server's dtype, and the
 last chain of each sequence (vLLM stops at max_tokens with a partial chain) is cut to the
 tokens that exist.
+
+:func:`offline_acceptance` also simulates the n-gram (prompt lookup) baseline on the same
+sequences with the same chain walk (``eagle3.verify.ngram``), so the draft's estimate comes with
+the number it has to beat.
 """
 
 from __future__ import annotations
@@ -146,12 +150,17 @@ def load_draft_for_eval(draft_dir: str | Path, target_dir: str | Path, device: s
 
 @torch.no_grad()
 def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences: Sequence[tuple[list[int], list[int]]],
-                       k: int, *, max_sequences: int | None = None, device: str = "cpu") -> dict[str, Any]:
+                       k: int, *, max_sequences: int | None = None, device: str = "cpu",
+                       ngram_lookup: tuple[int, int] | None = (1, 4)) -> dict[str, Any]:
     """Estimate acceptance of the exported draft in ``draft_dir`` for the target in ``target_dir``
-    on ``sequences`` = [(prompt_token_ids, greedy_output_token_ids)]."""
+    on ``sequences`` = [(prompt_token_ids, greedy_output_token_ids)].
+
+    ``ngram_lookup`` = (prompt_lookup_min, prompt_lookup_max): the result's ``ngram`` is the n-gram
+    baseline simulated on the same sequences (:func:`eagle3.verify.ngram.simulate_ngram`); None: skip."""
     from transformers import AutoModelForCausalLM
 
     from eagle3.model import checkpoint_dir
+    from eagle3.verify.ngram import simulate_ngram
 
     target_dir = checkpoint_dir(target_dir)
     draft, draft_to_target = load_draft_for_eval(draft_dir, target_dir, device)
@@ -159,9 +168,11 @@ def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences:
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     accepted: list[int] = []
     used = 0
+    scored: list[tuple[list[int], list[int]]] = []
     for prompt, output in sequences[: max_sequences or len(sequences)]:
         if not prompt or len(output) < 2:
             continue
+        scored.append((list(prompt), list(output)))
         ids = torch.tensor(list(prompt) + list(output), dtype=torch.int64, device=device)
         hs = target(ids.unsqueeze(0), output_hidden_states=True).hidden_states
         aux = torch.cat([hs[layer][0] for layer in aux_layers], dim=-1)
@@ -169,4 +180,5 @@ def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences:
                             draft_to_target)
         accepted += walk_chains(acc[0].tolist(), len(prompt) - 1, ids.numel())
         used += 1
-    return {**summarize_chains(accepted, k), "sequences": used, "k": k}
+    ngram = simulate_ngram(scored, k, *ngram_lookup) if ngram_lookup is not None else None
+    return {**summarize_chains(accepted, k), "sequences": used, "k": k, "ngram": ngram}

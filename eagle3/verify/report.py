@@ -1,7 +1,9 @@
-"""The verify report as markdown and PNG (acceptance per position, throughput and speedup)."""
+"""The verify report as markdown and PNG (acceptance per position, throughput and speedup; the
+n-gram baseline next to the draft when it was measured)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"- workload: {r['workload']['name']}, {r['workload']['conversations']} conversations x "
         f"{r['workload']['turns']} turns, max_tokens {r['max_tokens']} (fingerprint {r['workload']['fingerprint']})",
         f"- **mean acceptance length {_f(acc['acceptance_length'])}**, acceptance rate {_f(acc['acceptance_rate'])}",
+        _ngram_line(r),
         f"- gate: **{'passed' if gate['passed'] else 'FAILED'}**" + ("" if gate["passed"] else
                                                                     ": " + "; ".join(gate["reasons"])),
         f"- promoted: `{r['promoted']}`" if r.get("promoted") else "- promoted: no",
@@ -50,14 +53,82 @@ def render_markdown(r: dict[str, Any]) -> str:
         lines += ["", "Greedy outputs of the baseline itself at another concurrency (batch-shape numerics alone): "
                   + ", ".join(f"c={c}: {m['mismatches']} / {m['compared']} differ from c={r['windows'][0]['concurrency']}"
                               for c, m in moved) + "."]
+    lines += _ngram_markdown(r)
     if r.get("offline"):
         o = r["offline"]
         lines += ["", "## Offline estimate (PyTorch, target + draft, greedy chains)", "",
                   f"- acceptance length {_f(o['acceptance_length'])} over {o['chains']} chains of {o['sequences']} "
                   f"sequences; vLLM {_f(acc['acceptance_length'])}; difference {_f(o.get('difference_from_vllm'))}"]
+        on = o.get("ngram")
+        if on:
+            lines.append(f"- n-gram baseline simulated on the same sequences: acceptance length "
+                         f"{_f(on['acceptance_length'])} over all steps, {_f(on['acceptance_length_proposing'])} over "
+                         f"the {on['proposing_chains']} of {on['chains']} steps where it proposed")
+    ng = (r["servers"].get("ngram") or {}).get("ready_s")
     lines += ["", f"Servers: baseline ready in {_f(r['servers']['baseline']['ready_s'], 1)} s, speculative in "
-              f"{_f(r['servers']['speculative']['ready_s'], 1)} s.", ""]
+              f"{_f(r['servers']['speculative']['ready_s'], 1)} s"
+              + (f", n-gram in {_f(ng, 1)} s." if ng is not None else "."), ""]
     return "\n".join(lines)
+
+
+def _ngram_line(r: dict[str, Any]) -> str:
+    """One summary line: the draft against the free baseline."""
+    ng = r.get("ngram")
+    if not ng:
+        return "- n-gram baseline: not run"
+    if not ng.get("measured"):
+        return f"- n-gram baseline: not measured ({ng.get('reason')})"
+    vs = r.get("versus_ngram") or {}
+    c = vs.get("concurrency")
+    beats = (r.get("gate") or {}).get("checks", {}).get("beats_ngram")
+    return (f"- n-gram baseline (prompt lookup, n {ng['speculative_config']['prompt_lookup_min']}.."
+            f"{ng['speculative_config']['prompt_lookup_max']}): acceptance length {_f(ng['acceptance_length'])} "
+            f"in vLLM (steps where it proposed), {_f(ng['acceptance_length_all_steps'])} over all steps; speedup "
+            f"at concurrency {c}: draft x{_f((vs.get('draft') or {}).get('speedup'))}, n-gram "
+            f"x{_f((vs.get('ngram') or {}).get('speedup'))}; **draft beats n-gram: "
+            f"{'yes' if beats else 'no' if beats is not None else '-'}**")
+
+
+def _ngram_markdown(r: dict[str, Any]) -> list[str]:
+    ng = r.get("ngram")
+    if not ng or not ng.get("measured"):
+        return []
+    acc = r["acceptance"]
+    k = r["num_speculative_tokens"]
+    lines = ["", "## N-gram baseline (prompt lookup) vs the draft", "",
+             f"Same workload on the target served with `--speculative-config '{json.dumps(ng['speculative_config'])}'`. "
+             "vLLM counts only the steps where n-gram proposed something (no match, no draft); an EAGLE draft "
+             f"proposes at every step. N-gram proposed at {_f(_pct(ng.get('proposing_fraction')), 1)} % of the steps "
+             "(simulated over its own outputs); over all steps is the draft's definition.", "",
+             "| | draft (EAGLE-3) | n-gram (vLLM, proposing steps) | n-gram (all steps, simulated) |",
+             "|---|---|---|---|",
+             f"| acceptance length | {_f(acc['acceptance_length'])} | {_f(ng['acceptance_length'])} | "
+             f"{_f(ng['acceptance_length_all_steps'])} |"]
+    dpp, npp = acc["acceptance_per_position"], ng.get("acceptance_per_position") or []
+    sap = ng.get("acceptance_per_position_all_steps") or []
+    for i in range(k):
+        lines.append(f"| acceptance at position {i} | {_f(dpp[i]) if i < len(dpp) else '-'} | "
+                     f"{_f(npp[i]) if i < len(npp) else '-'} | {_f(sap[i]) if i < len(sap) else '-'} |")
+    lines += ["", "| concurrency | baseline tok/s | draft tok/s | draft speedup | n-gram tok/s | n-gram speedup "
+              "| n-gram acceptance length | n-gram greedy mismatches |", "|---|---|---|---|---|---|---|---|"]
+    for w, nw in zip(r["windows"], ng["windows"]):
+        mm = nw.get("outputs") or {}
+        lines.append(f"| {w['concurrency']} | {_f(w['baseline']['output_tokens_per_s'], 1)} | "
+                     f"{_f(w['speculative']['output_tokens_per_s'], 1)} | {_f(w['speedup'])} | "
+                     f"{_f(nw['ngram']['output_tokens_per_s'], 1)} | {_f(nw['speedup'])} | "
+                     f"{_f(nw['ngram']['acceptance_length'])} | {mm.get('mismatches', '-')} / {mm.get('compared', '-')} |")
+    sv = (ng.get("simulated") or {}).get("vs_vllm") or {}
+    if sv:
+        lines += ["", "Simulated over the n-gram server's own outputs (`eagle3/verify/ngram.py`) vs its counters: "
+                  + ", ".join(f"{name} {_f(sv[name]['simulated'], 0)} vs {_f(sv[name]['vllm'], 0)}"
+                              for name in ("drafts", "draft_tokens", "accepted"))
+                  + f"; acceptance length {_f(sv['acceptance_length_proposing']['simulated'])} vs "
+                  f"{_f(sv['acceptance_length_proposing']['vllm'])}."]
+    return lines
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100 * x
 
 
 def plot(r: dict[str, Any], path: Path) -> Path:
@@ -70,29 +141,48 @@ def plot(r: dict[str, Any], path: Path) -> Path:
     acc = r["acceptance"]["acceptance_per_position"]
     xs = list(range(len(acc)))
     off = (r.get("offline") or {}).get("acceptance_per_position") or []
-    w = 0.4 if off else 0.8
-    a1.bar([x - (w / 2 if off else 0) for x in xs], acc, width=w, label="vLLM")
+    ng = r.get("ngram") if (r.get("ngram") or {}).get("measured") else None
+    series = [("draft (vLLM)", acc)]
     if off:
-        a1.bar([x + w / 2 for x in xs[: len(off)]], off[: len(xs)], width=w, label="offline estimate")
+        series.append(("draft (offline estimate)", off))
+    if ng:
+        series.append(("n-gram (vLLM, proposing steps)", ng.get("acceptance_per_position") or []))
+        series.append(("n-gram (all steps, simulated)", ng.get("acceptance_per_position_all_steps") or []))
+    w = 0.8 / len(series)
+    for j, (label, vals) in enumerate(series):
+        n = min(len(vals), len(xs))
+        a1.bar([x - 0.4 + w * (j + 0.5) for x in xs[:n]], vals[:n], width=w, label=label)
     a1.set_xticks(xs)
     a1.set_xlabel("draft position")
     a1.set_ylabel("accepted / drafts")
     a1.set_ylim(0, 1)
-    a1.set_title(f"acceptance per position (mean length {_f(r['acceptance']['acceptance_length'])})")
-    a1.legend()
+    title = f"acceptance per position (mean length {_f(r['acceptance']['acceptance_length'])}"
+    if ng:
+        title += f"; n-gram {_f(ng['acceptance_length'])} / {_f(ng['acceptance_length_all_steps'])}"
+    a1.set_title(title + ")", fontsize=9)
+    a1.legend(fontsize=8)
     conc = [str(win["concurrency"]) for win in r["windows"]]
-    base = [win["baseline"]["output_tokens_per_s"] or 0 for win in r["windows"]]
-    spec = [win["speculative"]["output_tokens_per_s"] or 0 for win in r["windows"]]
+    bars = [("baseline", [win["baseline"]["output_tokens_per_s"] or 0 for win in r["windows"]], None),
+            ("draft", [win["speculative"]["output_tokens_per_s"] or 0 for win in r["windows"]],
+             [win["speedup"] for win in r["windows"]])]
+    if ng:
+        bars.append(("n-gram", [nw["ngram"]["output_tokens_per_s"] or 0 for nw in ng["windows"]],
+                     [nw["speedup"] for nw in ng["windows"]]))
     xs2 = list(range(len(conc)))
-    a2.bar([x - 0.2 for x in xs2], base, width=0.4, label="baseline")
-    a2.bar([x + 0.2 for x in xs2], spec, width=0.4, label="speculative")
-    for x, win in zip(xs2, r["windows"]):
-        a2.annotate(f"x{_f(win['speedup'], 2)}", (x, max(base[x], spec[x])), ha="center", va="bottom")
+    w2 = 0.8 / len(bars)
+    for j, (label, vals, speedups) in enumerate(bars):
+        pos = [x - 0.4 + w2 * (j + 0.5) for x in xs2]
+        a2.bar(pos, vals, width=w2, label=label)
+        for x, v, sp in zip(pos, vals, speedups or []):
+            a2.annotate(f"x{_f(sp, 2)}", (x, v), ha="center", va="bottom", fontsize=8)
     a2.set_xticks(xs2, conc)
     a2.set_xlabel("concurrency")
     a2.set_ylabel("output tokens/s")
-    a2.set_title("throughput and speedup")
-    a2.legend()
+    a2.set_title("throughput and speedup over the baseline")
+    top = max((v for _, vals, _ in bars for v in vals), default=0)
+    if top > 0:
+        a2.set_ylim(0, top * 1.25)  # room for the speedup labels and the legend
+    a2.legend(fontsize=8, ncol=len(bars), loc="upper center")
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=100)

@@ -1,8 +1,9 @@
 """Verify stage: does the draft make the served target faster, by how much, and is it better
 than the last promoted one.
 
-1. The target alone (baseline), then target + draft (``--speculative-config`` method eagle3), one
-   after the other through the serve stage, same settings otherwise.
+1. The target alone (baseline), then target + draft (``--speculative-config`` method eagle3), then
+   (``verify.ngram_baseline``) target + prompt lookup (method ngram: the free baseline a draft must
+   beat), one after the other through the serve stage, same settings otherwise.
 2. The same workload on each, at every configured concurrency; around each measured window a
    ``/metrics`` snapshot, so acceptance comes from vLLM's own counters (deltas) and latency from
    its histograms; throughput from the client's clock.
@@ -26,6 +27,7 @@ from eagle3.serving.units import speculative_config
 from eagle3.verify.client import WorkloadRun, compare_outputs, run_workload, warmup
 from eagle3.verify.gate import GateFailed, evaluate_gate, last_promoted, promote
 from eagle3.verify.metrics import Snapshot, snapshot
+from eagle3.verify.ngram import simulate_ngram, vllm_ngram_config
 from eagle3.verify.offline import offline_acceptance
 from eagle3.verify.report import plot, render_markdown
 from eagle3.verify.workload import Conversation, load_workload, workload_fingerprint
@@ -56,6 +58,31 @@ def _speculative_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Pat
                              f"(its ExecStart needs --speculative-config '{spec}')")
         point_candidate(Path(v.candidate_link), Path(spec["model"]))
         serve = s.model_copy(update={"unit": v.speculative_unit})
+        return start_server(cfg.model_copy(update={"serve": serve}), model)
+    return start_server(cfg, model, speculative_config=spec, log_dir=log_dir)
+
+
+def ngram_speculative_config(cfg: Any) -> dict[str, Any]:
+    """The ``--speculative-config`` of the n-gram baseline server (same k as the draft)."""
+    v = cfg.verify
+    return vllm_ngram_config(v.num_speculative_tokens, v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max)
+
+
+def _ngram_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Path) -> Server | str:
+    """The n-gram baseline server, or why it is not measured (a backend that starts no process
+    needs its address or unit; the baseline is optional, so a missing one is reported, not fatal)."""
+    s = cfg.serve
+    v = cfg.verify
+    flag = f"--speculative-config '{json.dumps(spec)}'"
+    if s.backend == "external":
+        if not v.ngram_base_url:
+            return f"serve.backend external: no verify.ngram_base_url (a server running the target with {flag})"
+        serve = s.model_copy(update={"base_url": v.ngram_base_url})
+        return start_server(cfg.model_copy(update={"serve": serve}), model)
+    if s.backend == "systemd":
+        if not v.ngram_unit:
+            return f"serve.backend systemd: no verify.ngram_unit (a unit whose ExecStart carries {flag})"
+        serve = s.model_copy(update={"unit": v.ngram_unit})
         return start_server(cfg.model_copy(update={"serve": serve}), model)
     return start_server(cfg, model, speculative_config=spec, log_dir=log_dir)
 
@@ -101,6 +128,92 @@ def _window_stats(run: WorkloadRun, before: Snapshot, after: Snapshot) -> dict[s
     return {**run.client_stats(), **delta.summary(), "counters": {"before": before.raw(), "after": after.raw()}}
 
 
+def _sim_vs_counters(sim: dict[str, Any], delta: Snapshot) -> dict[str, Any]:
+    """The simulation on the n-gram server's own outputs next to that server's counters."""
+    al = 1 + delta.accepted / delta.drafts if delta.drafts else None
+    sal = sim["acceptance_length_proposing"]
+    return {"drafts": {"simulated": sim["proposing_chains"], "vllm": delta.drafts},
+            "draft_tokens": {"simulated": sim["proposed_tokens"], "vllm": delta.draft_tokens},
+            # vLLM also counts tokens it accepted past max_tokens / a stop token before cutting the output
+            "accepted": {"simulated": sim["accepted_tokens"], "vllm": delta.accepted,
+                         "unchecked_at_ends": sim["unchecked_tokens"]},
+            "acceptance_length_proposing": {"simulated": sal, "vllm": al,
+                                            "difference": sal - al if sal is not None and al is not None else None}}
+
+
+def ngram_section(cfg: Any, windows: list[dict[str, Any]], base: list, ngramw: list | None,
+                  info: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+    """The n-gram baseline's part of the report: vLLM's counters (over the steps where n-gram
+    proposed something: vLLM counts no draft when nothing matched), the same simulated over the
+    server's own outputs (which also gives the acceptance length over every step, the draft's
+    definition), speedup per concurrency against the same baseline windows, greedy outputs."""
+    v = cfg.verify
+    spec = ngram_speculative_config(cfg)
+    if ngramw is None:
+        return {"measured": False, "reason": reason, "speculative_config": spec}
+    k, lo, hi = v.num_speculative_tokens, v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max
+    greedy = v.temperature == 0
+    total = Snapshot()
+    out_windows = []
+    seqs_all: list[tuple[list[int], list[int]]] = []
+    for w, (brun, _, _), (nrun, n0, n1) in zip(windows, base, ngramw):
+        ns = _window_stats(nrun, n0, n1)
+        total = total + (n1 - n0)
+        seqs = [(r.prompt_token_ids, r.token_ids) for r in nrun.results]
+        seqs_all += seqs
+        sim = simulate_ngram(seqs, k, lo, hi)
+        bt, nt = w["baseline"]["output_tokens_per_s"], ns["output_tokens_per_s"]
+        btp, ntp = w["baseline"]["server_mean_tpot_s"], ns["server_mean_tpot_s"]
+        out_windows.append({
+            "concurrency": nrun.concurrency, "ngram": ns,
+            "speedup": nt / bt if bt and nt else None,
+            "tpot_ratio": btp / ntp if btp and ntp else None,
+            "acceptance_length_all_steps": sim["acceptance_length"],
+            "simulated_vs_vllm": _sim_vs_counters(sim, n1 - n0),
+            "outputs": compare_outputs(brun, nrun) if greedy else None,
+        })
+    acceptance = total.summary()
+    sim = simulate_ngram(seqs_all, k, lo, hi)
+    compared = sum(w["outputs"]["compared"] for w in out_windows) if greedy else 0
+    mism = sum(w["outputs"]["mismatches"] for w in out_windows) if greedy else 0
+    return {
+        "measured": True,
+        "speculative_config": spec,
+        **acceptance,  # acceptance_length etc.: vLLM's /metrics, proposing steps only
+        "counters": total.raw(),
+        "acceptance_length_all_steps": sim["acceptance_length"],
+        "acceptance_per_position_all_steps": sim["acceptance_per_position"],
+        "proposing_fraction": sim["proposing_chains"] / sim["chains"] if sim["chains"] else None,
+        "speedup": {str(w["concurrency"]): w["speedup"] for w in out_windows},
+        "windows": out_windows,
+        "outputs": {"compared": compared, "mismatches": mism,
+                    "mismatch_fraction": mism / compared if compared else None, "greedy": greedy},
+        "simulated": {**sim, "vs_vllm": _sim_vs_counters(sim, total)},
+        "server": info,
+    }
+
+
+def versus_ngram(acceptance_length: float | None, windows: list[dict[str, Any]],
+                 ngram: dict[str, Any]) -> dict[str, Any] | None:
+    """Draft vs n-gram baseline at the lowest concurrency (None when the baseline was not measured).
+
+    The n-gram acceptance length compared is vLLM's own (over the steps where it proposed): the
+    stricter of its two figures, as an EAGLE draft proposes at every step."""
+    if not ngram.get("measured"):
+        return None
+    c = min(w["concurrency"] for w in windows)
+    nal = ngram["acceptance_length"]
+    return {
+        "concurrency": c,
+        "draft": {"acceptance_length": acceptance_length,
+                  "speedup": next(w["speedup"] for w in windows if w["concurrency"] == c)},
+        # no drafts counted: n-gram never matched, every step emitted one token
+        "ngram": {"acceptance_length": nal if nal is not None else 1.0,
+                  "acceptance_length_all_steps": ngram["acceptance_length_all_steps"],
+                  "speedup": ngram["speedup"].get(str(c))},
+    }
+
+
 def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
            log: Callable[[str], None] = print,
            on_progress: Callable[[str, int, int, int], None] | None = None) -> dict[str, Any]:
@@ -115,7 +228,8 @@ def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
     convs = load_workload(v.workload, v.num_prompts, v.turns)
     fp = workload_fingerprint(convs)
     spec = speculative_config(cfg, str(draft_dir))
-    log(f"verify: {len(convs)} conversations x {v.turns} turns, concurrency {v.concurrency}, k={v.num_speculative_tokens}")
+    log(f"verify: {len(convs)} conversations x {v.turns} turns, concurrency {v.concurrency}, k={v.num_speculative_tokens}"
+        + (", then the n-gram baseline" if v.ngram_baseline else ""))
 
     with start_server(cfg, model, log_dir=out_dir / "logs") as base_server:
         log(f"verify: baseline ready in {base_server.ready_s:.1f} s")
@@ -126,6 +240,23 @@ def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
         log(f"verify: speculative ready in {spec_server.ready_s:.1f} s")
         specw = measure(spec_server, convs, cfg, "speculative", on_progress)
         spec_info = spec_server.info()
+    ngramw, ngram_info, ngram_reason = None, None, None if v.ngram_baseline else "verify.ngram_baseline is off"
+    if v.ngram_baseline:
+        release_gpus(cfg, "verify (n-gram server)", log=log)
+        # its own log folder: the draft server's log stays the only *.log with --speculative-config in logs/
+        try:
+            ngram_server = _ngram_server(cfg, model, ngram_speculative_config(cfg), out_dir / "logs" / "ngram")
+            if isinstance(ngram_server, str):
+                ngram_reason = ngram_server
+            else:
+                with ngram_server:
+                    log(f"verify: n-gram ready in {ngram_server.ready_s:.1f} s")
+                    ngramw = measure(ngram_server, convs, cfg, "ngram", on_progress)
+                    ngram_info = ngram_server.info()
+        except Exception as e:  # noqa: BLE001 - a baseline that failed is reported; the draft's numbers stand
+            ngramw, ngram_reason = None, f"the n-gram server failed: {type(e).__name__}: {e}"[:2000]
+        if ngram_reason:
+            log(f"verify: n-gram baseline not measured: {ngram_reason}")
 
     windows = []
     total = Snapshot()
@@ -148,7 +279,7 @@ def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
         ref = base[0][0]
         for w, (brun, _, _) in zip(windows[1:], base[1:]):
             w["baseline_vs_first_window"] = {k: v for k, v in compare_outputs(ref, brun).items() if k != "details"}
-    for label, runs in (("baseline", base), ("speculative", specw)):
+    for label, runs in (("baseline", base), ("speculative", specw), ("ngram", ngramw or [])):
         for run, _, _ in runs:
             save_outputs(out_dir / "outputs" / f"{label}-c{run.concurrency}.jsonl", run)
     acceptance = total.summary()
@@ -163,7 +294,8 @@ def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
         seqs = [(r.prompt_token_ids, r.token_ids) for r in brun.results]
         t0 = time.time()
         offline = offline_acceptance(model, draft_dir, seqs, v.num_speculative_tokens,
-                                     max_sequences=v.offline_max_sequences)
+                                     max_sequences=v.offline_max_sequences,
+                                     ngram_lookup=(v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max))
         offline["wall_s"] = round(time.time() - t0, 2)
         offline["on_concurrency"] = brun.concurrency
         al = acceptance["acceptance_length"]
@@ -172,14 +304,23 @@ def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
         offline["vllm_acceptance_length_same_prompts"] = same
         offline["difference_from_vllm"] = (offline["acceptance_length"] - same
                                            if offline["acceptance_length"] is not None and same is not None else None)
-        log(f"verify: offline estimate {offline['acceptance_length']} vs vLLM {same} (all windows {al})")
+        log(f"verify: offline estimate {offline['acceptance_length']} vs vLLM {same} (all windows {al}); "
+            f"n-gram simulated on the same sequences {(offline.get('ngram') or {}).get('acceptance_length')}")
+
+    ngram = ngram_section(cfg, windows, base, ngramw, ngram_info, ngram_reason)
+    versus = versus_ngram(acceptance["acceptance_length"], windows, ngram)
+    if ngram["measured"]:
+        log(f"verify: n-gram baseline acceptance length {ngram['acceptance_length']} (vLLM, proposing steps), "
+            f"{ngram['acceptance_length_all_steps']} over all steps; speedup {ngram['speedup']}")
 
     conditions = {"workload_fingerprint": fp, "num_speculative_tokens": v.num_speculative_tokens,
                   "temperature": v.temperature, "max_tokens": v.max_tokens}
     prev = last_promoted(cfg.paths.runs_dir, cfg.name)
     gate = evaluate_gate(acceptance["acceptance_length"], conditions, prev,
                          min_acceptance_length=v.min_acceptance_length, max_regression=v.max_regression,
-                         mismatch_fraction=outputs["mismatch_fraction"], max_mismatch_fraction=v.max_mismatch_fraction)
+                         mismatch_fraction=outputs["mismatch_fraction"], max_mismatch_fraction=v.max_mismatch_fraction,
+                         require_beat_ngram=v.require_beat_ngram, versus_ngram=versus,
+                         ngram_reason=ngram.get("reason"))
     report: dict[str, Any] = {
         "stage": "verify",
         "profile": cfg.name,
@@ -195,9 +336,11 @@ def verify(cfg: Any, model: str, draft_dir: str | Path, out_dir: str | Path, *,
         "windows": windows,
         "outputs": outputs,
         "offline": offline,
+        "ngram": ngram,
+        "versus_ngram": versus,
         "gate": gate.to_dict(),
         "promoted": None,
-        "servers": {"baseline": base_info, "speculative": spec_info},
+        "servers": {"baseline": base_info, "speculative": spec_info, "ngram": ngram_info},
         "wall_s": None,
     }
     if gate.passed and v.promote:
