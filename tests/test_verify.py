@@ -206,6 +206,14 @@ def test_ngram_section_report_and_plot(tmp_path):
     assert f"| acceptance length | 1.500 | {ng['acceptance_length']:.3f} | {ng['acceptance_length_all_steps']:.3f} |" in md
     assert "| 4 | 10.0 | 12.0 | 1.200 | 15.0 | 1.500 |" in md and "n-gram in 40.0 s" in md
     assert plot(report, tmp_path / "r.png").stat().st_size > 0
+    # what the hero run (make demo) prints next to the draft's acceptance length, from report.json
+    from flows.hero_run import ngram_summary
+
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    line = ngram_summary(str(tmp_path))
+    assert line.startswith(f"acceptance length {round(ng['acceptance_length_all_steps'], 4)} over all steps "
+                           f"({round(ng['acceptance_length'], 4)} in vLLM's count") and "'1': 1.5" in line
+    assert ngram_summary(str(tmp_path / "missing")) is None
     off = ngram_section(cfg, windows, base, None, None, "serve.backend external: no verify.ngram_base_url")
     assert not off["measured"] and versus_ngram(1.5, windows, off) is None
     assert "n-gram baseline: not measured (serve.backend external" in render_markdown({**report, "ngram": off,
