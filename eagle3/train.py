@@ -184,6 +184,32 @@ def make_batch(samples: list, head: TargetHead, device: torch.device, max_seq_le
     return Batch(ids, aux, probs, arg, ok)
 
 
+def init_head_from_target(model: nn.Module, target_dir: str | Path, draft_ids: torch.Tensor) -> None:
+    """Start the draft's read-out as the target's own: ``lm_head`` rows = the target's lm_head rows
+    of the draft vocab (tied targets: embedding rows), final ``norm`` = the target's final norm.
+
+    Why: the draft's last hidden state is trained to predict what the target's final state
+    predicts, through the same kind of RMSNorm + linear read-out. A random 32000 x H read-out
+    (most of the draft's trainable weights) has to be learnt from the data; the target's is
+    already right for every token, including the ones the data shows rarely."""
+    _, head = load_target_embeddings(target_dir)
+    norm = load_target_tensor(target_dir, NORM_NAMES)
+    ids = draft_ids.to(torch.int64)
+    if head.shape[1] != model.lm_head.weight.shape[1] or norm.shape != model.norm.weight.shape:
+        raise ValueError(f"train.head_init=target needs the draft's hidden size ({model.lm_head.weight.shape[1]}) "
+                         f"to equal the target's ({head.shape[1]}); set train.head_init=random")
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head[ids].to(model.lm_head.weight.dtype))
+        model.norm.weight.copy_(norm.to(model.norm.weight.dtype))
+
+
+def add_feature_noise(batch: Batch, std: float) -> None:
+    """In place: Gaussian noise of ``std`` x each row's RMS on the target's aux states (EAGLE's
+    feature noise: the draft meets its own imperfect states at inference)."""
+    rms = batch.aux.pow(2).mean(-1, keepdim=True).sqrt()
+    batch.aux.add_(torch.randn_like(batch.aux) * rms * std)
+
+
 def shift_left(x: torch.Tensor, k: int, fill: Any = 0) -> torch.Tensor:
     """y[:, t] = x[:, t+k] (fill beyond the end), along dim 1."""
     if k == 0:
@@ -700,6 +726,11 @@ def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_
     sharded = d.mode == "fsdp"
     export_copy = (copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
                    if sharded and d.main else None)
+    if tc.head_init == "target":
+        init_head_from_target(model, target_dir, vocab.draft_ids)
+    if tc.freeze_head:
+        for prm in (*model.lm_head.parameters(), *model.norm.parameters()):
+            prm.requires_grad_(False)
     model.to(dev)
     hold_frozen_bf16(model, dev)
     head = load_target_head(target_dir, vocab.draft_ids, dcfg.rms_norm_eps).to(dev)
@@ -736,6 +767,9 @@ def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_
             step_batches = batches[state.batch_in_epoch : state.batch_in_epoch + group]
             mine = step_batches[d.rank :: d.world]  # up to grad_accum batches of this rank
             micro = [make_batch([ds[i] for i in idx], head, dev, tc.max_seq_len) for idx in mine]
+            if tc.feature_noise > 0:
+                for b in micro:
+                    add_feature_noise(b, tc.feature_noise)
             if not micro:  # the epoch's short last group: join the all-reduce with nothing counted
                 micro = [zero_weight(make_batch([ds[i] for i in step_batches[0]], head, dev, tc.max_seq_len))]
             lr = lr_at(state.step, total_steps, tc.lr, tc.warmup_ratio)
