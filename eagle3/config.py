@@ -235,9 +235,9 @@ class TrainConfig(_Section):
         "(vLLM Eagle3DeepseekV2ForCausalLM); auto: mla for deepseek_v3/kimi_k25 targets, else llama.")
     # Recipe knobs (docs/train.md, "Draft quality"): what the draft starts from and sees.
     head_init: Literal["random", "target"] = Field(
-        "target", description="target: lm_head rows = the target's lm_head rows of the draft vocab and the "
-        "final norm = the target's (needs draft hidden == target hidden), so the draft starts as the target's "
-        "own read-out; random: N(0, 0.02) and ones.")
+        "random", description="random: N(0, 0.02) and ones; target: lm_head rows = the target's lm_head rows "
+        "of the draft vocab and the final norm = the target's (needs draft hidden == target hidden). Measured "
+        "worse at small scale (docs/train.md, Draft quality), so random stays the default.")
     freeze_head: bool = Field(False, description="Keep lm_head (and the final norm) fixed at their init.")
     feature_noise: float = Field(0.0, ge=0, description="Std of Gaussian noise added to the target's aux states "
                                  "during training, relative to each row's RMS (0: none).")
