@@ -393,31 +393,36 @@ def cmd_combine(a) -> None:
 
 
 def cmd_plot(a) -> None:
+    """Acceptance vs training samples, one line per (series, evaluation set), n-gram as levels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = {}
+    evals = sorted({k for r in rows for k, v in r.items()
+                    if isinstance(v, dict) and "acceptance_length" in v and not k.endswith("_ngram")})
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = dict(zip(evals, ("o-", "s--", "^:", "d-.")))
+    series: dict[str, list[dict]] = {}
     for r in rows:
-        series.setdefault(r.get("series", r["name"].rsplit("-", 1)[0]), []).append(r)
+        series.setdefault(r.get("series", r["name"]), []).append(r)
     for name, rs in series.items():
-        rs = sorted(rs, key=lambda r: r["samples"])
-        for ev, style in (("mtbench", "o-"), ("heldout", "s--")):
-            pts = [(r["samples"], r[ev]["acceptance_length"]) for r in rs if r.get(ev)]
+        for ev in evals:
+            pts = sorted((r["samples"], r[ev]["acceptance_length"]) for r in rs if r.get(ev))
             if pts:
-                ax.plot(*zip(*pts), style, label=f"{name} ({ev})")
-    ng = next((r for r in rows if r.get("mtbench_ngram")), None)
-    if ng:
-        ax.axhline(ng["mtbench_ngram"]["acceptance_length"], color="gray", ls=":", label="n-gram (MT-bench, simulated)")
+                ax.plot(*zip(*pts), styles[ev], label=f"{name} [{ev}]")
+    for ev in evals:
+        ng = next((r[f"{ev}_ngram"] for r in rows if r.get(f"{ev}_ngram")), None)
+        if ng:
+            ax.axhline(ng["acceptance_length"], color="gray", ls=styles[ev][1:] or "-", lw=1,
+                       label=f"n-gram, simulated [{ev}]")
     if a.demo:
-        ax.plot([40], [a.demo], "r*", ms=12, label="make demo's draft (vLLM, MT-bench)")
-    ax.set(xscale="log", xlabel="training samples (ShareGPT first turns, target's own answers)",
-           ylabel=f"acceptance length (k = 3)", title="Draft quality vs data (offline, greedy)")
+        ax.plot([40], [a.demo], "r*", ms=12, label="make demo's draft (vLLM, MT-bench 10 x 2)")
+    ax.set(xscale="log", xlabel="training samples (ShareGPT first turns, the target's own answers)",
+           ylabel="acceptance length (k = 3, greedy)", title="Draft acceptance vs data (offline estimate)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6.5, loc="upper left")
     fig.tight_layout()
     fig.savefig(a.png, dpi=110)
     print(f"wrote {a.png}")
