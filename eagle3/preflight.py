@@ -135,7 +135,14 @@ def _disk(cfg: PipelineConfig) -> Check:
 
 
 def _dataset(cfg: PipelineConfig) -> Check:
+    from eagle3.generate.prompts import EMBEDDED_PREFIX, embedded_dataset_path
+
     d = cfg.generate.dataset
+    if d.startswith(EMBEDDED_PREFIX):  # a data file inside an installed package (embedded:sharegpt)
+        try:
+            return Check("dataset", "ok", f"{d}: {embedded_dataset_path(d[len(EMBEDDED_PREFIX):])}")
+        except (ValueError, FileNotFoundError) as e:
+            return Check("dataset", "fail", str(e))
     if Path(d).suffix in (".jsonl", ".json", ".parquet") or Path(d).is_absolute():
         ok = Path(d).is_file()
         return Check("dataset", "ok" if ok else "fail", d + ("" if ok else ": no such file"))

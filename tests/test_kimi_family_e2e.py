@@ -35,7 +35,8 @@ def test_tiny_deepseek_hero_run(prefect_backend, smol_model, tmp_path):
 
     overrides = [f"paths.runs_dir={tmp_path}", "generate.num_samples=4", "generate.max_tokens=24", "train.epochs=2",
                  "verify.num_prompts=2", "verify.turns=1", "verify.max_tokens=24", "verify.concurrency=[1]",
-                 "verify.warmup_requests=0"]
+                 "verify.warmup_requests=0",
+                 "verify.ngram_baseline=false"]  # the n-gram server is tested in test_verify: one start less here
     cfg = load_config(PROFILE, overrides)
     require_vllm(cfg)
     assert cfg.draft_arch == "mla" and cfg.extract.backend == "vllm"

@@ -133,3 +133,13 @@ def test_mt_bench_missing_fails_clearly(monkeypatch):
     with pytest.raises(workload.WorkloadError, match=r"exclude_mt_bench is on but .*\(MT-bench questions not found"):
         exclusion_keys([], mt_bench=True)
     assert exclusion_keys([], mt_bench=False) == set()
+
+
+def test_preflight_checks_the_embedded_dataset():
+    """preflight finds the package's data file (it used to call embedded:sharegpt a hub dataset)."""
+    from eagle3.preflight import _dataset
+
+    ok = _dataset(load_config("configs/smollm2-sharegpt.yaml"))
+    assert ok.status == "ok" and ok.detail.endswith("ShareGPT_V3_unfiltered_cleaned_split.json")
+    bad = _dataset(load_config(CPU_PROFILE, ["generate.dataset=embedded:nope"]))
+    assert bad.status == "fail" and "unknown embedded dataset" in bad.detail
