@@ -89,6 +89,16 @@ class NgramChains(list):
         return sum(1 for p in self.proposed if p == 0)
 
 
+def leading_matches(proposal: Sequence[int], truth: Sequence[int]) -> int:
+    """How many proposed tokens the target accepts: the length of the common prefix."""
+    a = 0
+    for d, t in zip(proposal, truth):
+        if d != t:
+            break
+        a += 1
+    return a
+
+
 def ngram_chains(prompt: Sequence[int], output: Sequence[int], k: int, n_min: int = 1,
                  n_max: int = 4) -> NgramChains:
     """Accepted count of each chain along prompt + output (the offline estimate's chain walk).
@@ -107,11 +117,7 @@ def ngram_chains(prompt: Sequence[int], output: Sequence[int], k: int, n_min: in
     while p + 2 <= L - 1:
         proposal = idx.propose(k)
         truth = x[p + 2 : p + 2 + k]
-        a = 0
-        for d, t in zip(proposal, truth):
-            if d != t:
-                break
-            a += 1
+        a = leading_matches(proposal, truth)
         out.append(a)
         out.proposed.append(len(proposal))
         out.unchecked.append(len(proposal) - a if a == len(truth) < len(proposal) else 0)

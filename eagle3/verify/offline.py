@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from eagle3.verify.ngram import leading_matches
+
 
 def _slice_kv(kv: tuple[torch.Tensor, ...], n: int) -> tuple[torch.Tensor, ...]:
     return tuple(t[:, :, :n] for t in kv)
@@ -63,12 +65,7 @@ def chains_of_sequence(draft: Any, aux: torch.Tensor, ids: torch.Tensor, start: 
             tok = draft_to_target[lg[0, -1].argmax()]
             proposals.append(int(tok))
             h = o
-        truth = ids[p + 2 : p + 2 + k].tolist()
-        a = 0
-        for d, t in zip(proposals, truth):
-            if d != t:
-                break
-            a += 1
+        a = leading_matches(proposals, ids[p + 2 : p + 2 + k].tolist())
         accepted.append(a)
         p += a + 1
     return accepted
