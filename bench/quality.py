@@ -66,13 +66,13 @@ def _tokenizer(cfg):
 def cmd_prompts(a) -> None:
     """ShareGPT first turns in the generate stage's order (seed 0, MT-bench excluded), tokenised
     with the chat template; the last ``--heldout`` are the held-out evaluation prompts."""
-    from eagle3.generate.prompts import Prompt, PromptStats, iter_prompts
+    from eagle3.generate.prompts import Prompt, PromptStats, exclusion_keys, iter_prompts
 
     cfg = _cfg()
     tok = _tokenizer(cfg)
     stats = PromptStats()
     rows, long = [], 0
-    for p in iter_prompts(a.dataset, seed=0, exclude=_mt_bench_keys(), stats=stats):
+    for p in iter_prompts(a.dataset, seed=0, exclude=exclusion_keys([], mt_bench=True), stats=stats):
         if not isinstance(p, Prompt):
             continue
         ids = tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
@@ -89,13 +89,6 @@ def cmd_prompts(a) -> None:
             f.write(json.dumps({**r, "split": "heldout"}) + "\n")
     print(json.dumps({"prompts": len(rows), "train": len(train), "heldout": len(held), "too_long": long,
                       "excluded": stats.excluded, "skipped": stats.skipped}))
-
-
-def _mt_bench_keys() -> set[str]:
-    from eagle3.generate.prompts import _key
-    from eagle3.verify.workload import load_workload
-
-    return {_key(t) for c in load_workload("mt_bench") for t in c.turns}
 
 
 @torch.no_grad()
