@@ -721,16 +721,16 @@ def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_
         raise ValueError(f"vocab built for {vocab.target_vocab_size} target ids, target has {dcfg.vocab_size}")
     if ds[0].aux.shape[-1] != dcfg.fc_input_size:
         raise ValueError(f"stored aux width {ds[0].aux.shape[-1]} != {len(aux_layers)} x {dcfg.target_hidden_size}")
-    # FSDP shards the draft in place: rank 0 keeps an unsharded CPU copy (frozen tensors shared)
-    # to load the gathered final weights into for the export.
-    sharded = d.mode == "fsdp"
-    export_copy = (copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
-                   if sharded and d.main else None)
     if tc.head_init == "target":
         init_head_from_target(model, target_dir, vocab.draft_ids)
     if tc.freeze_head:
         for prm in (*model.lm_head.parameters(), *model.norm.parameters()):
             prm.requires_grad_(False)
+    # FSDP shards the draft in place: rank 0 keeps an unsharded CPU copy (frozen tensors shared)
+    # to load the gathered final weights into for the export.
+    sharded = d.mode == "fsdp"
+    export_copy = (copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
+                   if sharded and d.main else None)
     model.to(dev)
     hold_frozen_bf16(model, dev)
     head = load_target_head(target_dir, vocab.draft_ids, dcfg.rms_norm_eps).to(dev)

@@ -260,3 +260,23 @@ def test_trained_draft_export(trained_draft):
     assert conf["architectures"] == ["LlamaForCausalLMEagle3"]
     assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert (trained_draft.parent / "metrics.png").exists()
+
+
+def test_head_from_target_frozen_and_noise(setup):
+    """train.head_init=target starts lm_head as the target's rows of the draft vocab and the final norm
+    as the target's; train.freeze_head keeps both there; feature noise still trains (finite loss)."""
+    from eagle3.export import load_exported
+    from eagle3.vocab import load_vocab
+
+    tmp, target, embed, ext, vocab = setup
+    ids = load_vocab(vocab).draft_ids
+    man = train(make_cfg(epochs=1, head_init="target", freeze_head=True, feature_noise=0.1), ext, vocab, target,
+                tmp / "run-head")
+    model, _, _ = load_exported(man["export"])
+    stored = load_file(str(Path(man["export"]) / "model.safetensors"))["lm_head.weight"]
+    assert torch.equal(stored.float(), embed[ids].to(stored.dtype).float())  # tied target: its embedding rows
+    torch.testing.assert_close(model.norm.weight, torch.full((H,), 0.15), atol=1e-3, rtol=1e-2)
+    assert man["skipped_nan"] == 0 and all(math.isfinite(x) for x in man["final"]["loss"])
+    moved = train(make_cfg(epochs=1, head_init="target"), ext, vocab, target, tmp / "run-head-trained")
+    learnt = load_file(str(Path(moved["export"]) / "model.safetensors"))["lm_head.weight"]
+    assert not torch.equal(learnt, stored)  # not frozen: it learns from the target's rows
