@@ -50,7 +50,8 @@ def tiny_cfg(tiny):
 
     cfg = load_config(CPU_PROFILE, [f"target.model={tiny}", "target.num_hidden_layers=6", "target.hidden_size=256",
                                     "target.architecture=deepseek_v3", "target.served_model_name=tiny-deepseek-v3",
-                                    "extract.aux_layers=[1, 3, 4]"])
+                                    "extract.aux_layers=[1, 3, 4]",
+                                    "serve.dtype=bfloat16"])  # vLLM CPU MLA: bf16 (the profile serves SmolLM2 in float32)
     extra = [*cfg.serve.extra_args, "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
     cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"extra_args": extra})})
     require_vllm(cfg)
