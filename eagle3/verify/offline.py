@@ -85,24 +85,19 @@ def chain_accepts(draft: Any, aux: torch.Tensor, ids: torch.Tensor, lengths: tor
     position at once (the training-time-test unroll: step i at row p sees the step-0 keys <= p
     and the keys of its own earlier steps at row p, RoPE position p+i) gives the same leading
     matches. ``tests/test_offline_estimate.py`` checks the two agree."""
-    from eagle3.train import shift_left, ttt_mask
+    from types import SimpleNamespace
+
+    from eagle3.train import shift_left, ttt_unroll
 
     b, L = ids.shape
     pos = torch.arange(L, device=ids.device)
-    hidden, past = aux, None
     valid = torch.ones(b, L, dtype=torch.bool, device=ids.device)
     acc = torch.zeros(b, L, dtype=torch.int64, device=ids.device)
-    for i in range(k):
-        mask = None if i == 0 else ttt_mask(L, i, ids.device)
-        out, logits, kv = draft(shift_left(ids, 1 + i), hidden, position_ids=pos + i, attn_mask=mask,
-                                past_kv=past, use_cache=True)
+    for i, _, logits in ttt_unroll(draft, SimpleNamespace(input_ids=ids, aux=aux), k):  # the training unroll
         guess = draft_to_target[logits.argmax(-1)]
-        truth = shift_left(ids, 2 + i, -1)
         exists = (pos + 2 + i)[None, :] < lengths[:, None]
-        valid = valid & exists & (guess == truth)
+        valid = valid & exists & (guess == shift_left(ids, 2 + i, -1))
         acc += valid.long()
-        past = kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
-        hidden = out
     return acc
 
 
