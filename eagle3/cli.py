@@ -4,6 +4,10 @@
     eagle3 prepare-model --config configs/smollm2-cpu.yaml
     eagle3 serve --config configs/smollm2-cpu.yaml [--chat "Hi"] [--hold]
     eagle3 render-unit --config configs/kimi-k25-hero.yaml
+
+Errors of the pipeline's own kinds (eagle3.errors) print one line, no traceback; `--debug`
+anywhere on the command line (or EAGLE3_DEBUG=1) shows it. SIGTERM and SIGINT stop every server
+the command started (eagle3.signals) and say what was saved and how to resume.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Annotated, Optional
 import typer
 
 from eagle3.config import ConfigError, PipelineConfig, load_config
+from eagle3.errors import Eagle3Error, Interrupted, disk_full, is_disk_full
 from eagle3.serving.gpus import GPUsBusy, units_restored
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -131,7 +136,9 @@ def _served(cfg: PipelineConfig, base_url: str | None):
     from eagle3.serving.server import start_server
 
     if base_url:
-        return contextlib.nullcontext([base_url.rstrip("/"), *cfg.generate.endpoints])
+        from eagle3.serving.readiness import root_url
+
+        return contextlib.nullcontext([root_url(base_url), *cfg.generate.endpoints])
 
     @contextlib.contextmanager
     def started():
@@ -188,7 +195,12 @@ def generate(
                 manifest = run_generate(cfg, urls, out, concurrency=concurrency, tokenizer_path=tokenizer,
                                         on_progress=show)
     except (ServerError, EmbeddedModelError, ServerUnavailable, ValueError, FileNotFoundError) as e:
+        if isinstance(e, Eagle3Error):
+            raise
         _fail(str(e))
+    except Interrupted as e:
+        _saved(e, f"{_count_samples(out)} samples are saved in {out}")
+        raise
     artifacts.finish(cfg, "generate", gen_key, {}, out, manifest)
     run = manifest["this_run"]
     typer.echo(f"{out}: {manifest['totals']['samples']} samples in total; this run {run['counts']}, "
@@ -460,5 +472,44 @@ def estimate_acceptance(
                "(what vLLM's /metrics would count)")
 
 
+def _saved(e: Interrupted, what: str) -> None:
+    """Attach what a command had saved when it was interrupted (main() prints it)."""
+    e.saved = what  # type: ignore[attr-defined]
+
+
+def _count_samples(out: Path) -> int:
+    from eagle3.generate.storage import iter_samples
+
+    return sum(1 for _ in iter_samples(out, on_bad=lambda *_: None)) if out.exists() else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: the Typer app with signal handling and one-line errors."""
+    import traceback
+
+    from eagle3.signals import interrupts_raise
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("EAGLE3_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
+    try:
+        with interrupts_raise():
+            app(args=args, prog_name="eagle3")
+    except Interrupted as e:
+        saved = getattr(e, "saved", None) or "what it had written is kept"
+        typer.secho(f"interrupted ({e}): every server this command started was stopped; {saved}. Rerun the same "
+                    "command to resume.", fg="yellow", err=True)
+        sys.exit(128 + e.signum)
+    except (Eagle3Error, OSError) as e:
+        if isinstance(e, OSError) and not isinstance(e, Eagle3Error):
+            if not is_disk_full(e):
+                raise
+            e = disk_full(Path(e.filename or os.getcwd()), None, "this stage")
+        if debug:
+            traceback.print_exc()
+        typer.secho(f"error: {e}", fg="red", err=True)
+        sys.exit(getattr(e, "exit_code", 1))
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -17,11 +17,9 @@ import yaml
 from eagle3 import PROJECT_ROOT
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3.errors import ConfigError  # noqa: F401  (re-exported: eagle3.config.ConfigError)
+
 EMBEDDED_PREFIX = "embedded:"
-
-
-class ConfigError(ValueError):
-    """A profile that cannot be loaded; the message names the file and the field."""
 
 
 class _Section(BaseModel):

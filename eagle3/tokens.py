@@ -12,6 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 
+def template_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
+                        chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt ids a server builds: the chat template with the generation prompt, tokenised."""
+    return [int(i) for i in tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(chat_template_kwargs or {})
+    )["input_ids"]]
+
+
 def rebuild_token_ids(
     tokenizer: Any,
     messages: list[dict[str, str]],
@@ -30,9 +38,7 @@ def rebuild_token_ids(
       and the end-of-turn token when the model stopped by itself (finish_reason "stop").
       Reasoning without content means the model never closed the block: no ``</think>`` is added.
     """
-    prompt_ids = list(tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(chat_template_kwargs or {})
-    )["input_ids"])
+    prompt_ids = template_prompt_ids(tokenizer, messages, chat_template_kwargs)
     ids: list[int] = []
     if reasoning:
         if think_start_id is None or think_end_id is None:

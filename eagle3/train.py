@@ -74,6 +74,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from eagle3.errors import MissingSamples, NoResult
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.generate.storage import write_json_atomic
 from eagle3.model import (
@@ -94,10 +95,13 @@ NORM_NAMES = (
     "norm.weight",
 )
 MAX_CONSECUTIVE_NAN = 5
+# A run where fewer than this fraction of the optimizer steps were finite is not a trained draft:
+# it fails and exports nothing (2 steps, both NaN, used to be sealed as done: issue #16).
+MIN_FINITE_FRACTION = 0.5
 
 
-class TrainingDiverged(RuntimeError):
-    """Too many non-finite steps in a row."""
+class TrainingDiverged(NoResult, RuntimeError):
+    """Too many non-finite steps in a row, or too few finite steps in all: nothing is exported."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,6 +658,16 @@ def write_metrics(out_dir: Path, history: list[dict]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def check_finite(state: "TrainState", extract_dir: Path) -> None:
+    """Refuse to export a draft that (almost) never took a finite step."""
+    if state.step and state.updates >= MIN_FINITE_FRACTION * state.step and state.updates > 0:
+        return
+    raise TrainingDiverged(
+        f"only {state.updates} of {state.step} optimizer steps were finite (at least {MIN_FINITE_FRACTION:.0%} are "
+        f"required): the draft is not trained, nothing was exported or sealed. Check {extract_dir} for NaN/inf "
+        "states (extract drops them) and train.lr, then rerun train (delete its checkpoints/ to start over)")
+
+
 def _epoch_batches(ds: HiddenStateDataset, token_budget: int, seed: int, epoch: int) -> list[list[int]]:
     return list(ds.batches(token_budget, shuffle=True, seed=seed * 100003 + epoch))
 
@@ -706,9 +720,14 @@ def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_
     aux_layers = list(cfg.aux_layers)
     man_path = extract_dir / "manifest.json"
     if man_path.is_file():
-        stored = json.loads(man_path.read_text()).get("aux_layers")
+        extract_manifest = json.loads(man_path.read_text())
+        stored = extract_manifest.get("aux_layers")
         if stored is not None and list(stored) != aux_layers:
             raise ValueError(f"extract stored aux layers {stored}, config says {aux_layers}")
+        listed = extract_manifest.get("samples")
+        if listed is not None and len(ds) < int(listed):
+            raise MissingSamples(f"{extract_dir}: manifest.json lists {listed} samples, index.json {len(ds)}: the "
+                                 "folder was changed after extract; rerun extract into it, then train")
 
     overrides = {k: v for k, v in {"num_attention_heads": tc.draft_num_attention_heads,
                                    "num_key_value_heads": tc.draft_num_key_value_heads,
@@ -812,6 +831,7 @@ def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_
         return {"stage": "train", "complete": False, "step": state.step, "total_steps": total_steps,
                 "checkpoint": str(ckpt)}
 
+    check_finite(state, extract_dir)
     from eagle3.export import export_vllm
 
     if sharded:  # gather the final weights (every rank), load them into rank 0's unsharded copy

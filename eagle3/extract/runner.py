@@ -22,16 +22,17 @@ from typing import Any
 import torch
 
 from eagle3.config import PipelineConfig
+from eagle3.errors import MissingSamples, NoResult, TokenIdMismatch, disk_full, is_disk_full
 from eagle3.extract.inputs import Example, iter_examples
 from eagle3.extract.storage import Sample, ShardWriter
-from eagle3.generate.storage import JsonlAppender, write_json_atomic
+from eagle3.generate.storage import JsonlAppender, repair_jsonl, scan_samples, write_json_atomic
 
 CONVENTION = ("vLLM: aux layer k is the INPUT of decoder layer k (= HF output_hidden_states[k], 0 = embeddings); "
               "final is the OUTPUT of the last decoder layer before the final norm")
 
 
-class TokenizerMismatch(RuntimeError):
-    pass
+class TokenizerMismatch(TokenIdMismatch):
+    """The local tokenizer is not the one the generate stage's server used."""
 
 
 def check_fingerprint(generate_manifest: dict[str, Any], model_path: str, cfg: PipelineConfig) -> str | None:
@@ -105,6 +106,22 @@ class Reuse:
         return old
 
 
+def check_input(generate_dir: Path, gen_manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """Compare the generate folder with its manifest before any model is loaded.
+
+    Returns the unreadable lines (recorded by the caller: they explain missing samples). Raises
+    MissingSamples when fewer samples are there than the manifest lists and no unreadable line
+    accounts for them (a shard deleted or cut short by hand, a copy that did not finish)."""
+    scan = scan_samples(generate_dir)
+    listed = int((gen_manifest.get("totals") or {}).get("samples", 0))
+    if len(scan.ids) + len(scan.bad) < listed:
+        raise MissingSamples(
+            f"{generate_dir}: manifest.json lists {listed} samples, the shards hold {len(scan.ids)} "
+            f"({len(scan.bad)} unreadable lines): a shard is missing or was cut. Restore it, or rerun generate "
+            "into that folder (it requests only what is missing), then rerun extract")
+    return scan.bad
+
+
 def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: str,
             on_progress: Callable[[int, int], None] | None = None, reuse_from: Path | None = None) -> dict[str, Any]:
     """Run the stage into ``out_dir`` (resuming what is there); see the module docstring."""
@@ -112,18 +129,26 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     generate_dir, out_dir = Path(generate_dir), Path(out_dir)
     gen_manifest = json.loads((generate_dir / "manifest.json").read_text())
     fingerprint = check_fingerprint(gen_manifest, model_path, cfg)
+    unreadable = check_input(generate_dir, gen_manifest)
     writer = ShardWriter(out_dir, e.storage_dtype, e.samples_per_shard)
     resumed_from = len(writer.done_ids)
+    known = ({(r.get("id"), r.get("reason")) for r in repair_jsonl(out_dir / "errors.jsonl")[0]}
+             if (out_dir / "errors.jsonl").is_file() else set())
     errors = JsonlAppender(out_dir / "errors.jsonl")
-    counts = {"stored": 0, "reused": 0, "skipped": 0, "truncated": 0, "nonfinite": 0}
+    counts = {"stored": 0, "reused": 0, "skipped": 0, "truncated": 0, "nonfinite": 0, "unreadable": len(unreadable)}
     reuse = Reuse(cfg, reuse_from)
     computed_tokens = 0
     total = gen_manifest["totals"]["samples"]
     started = time.time()
     layers = cfg.aux_layers
 
-    def record_error(sid: str, reason: str) -> None:
-        errors.append({"id": sid, "reason": reason, "time": time.time()})
+    def record_error(sid: str | None, reason: str, where: str | None = None) -> None:
+        if (sid, reason) not in known:  # a rerun meets the same bad lines again
+            known.add((sid, reason))
+            errors.append({"id": sid, "reason": reason, **({"where": where} if where else {}), "time": time.time()})
+
+    for where, reason in unreadable:
+        record_error(None, f"{where}: {reason}", where)
 
     def states(examples: Iterator[Example]) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
         first = next(examples, None)  # copies the reused samples up to the first one to compute
@@ -153,7 +178,8 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
             yield ex, hidden[:, : len(layers)].flatten(1), hidden[:, len(layers)]
 
     def examples() -> Iterator[Example]:
-        for item in iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids):
+        for item in iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids,
+                                  vocab_size=cfg.target.vocab_size, on_bad=lambda *_: None):
             if isinstance(item, tuple):
                 record_error(*item)
                 counts["skipped"] += 1
@@ -185,15 +211,22 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
             computed_tokens += len(ex.input_ids)
             if on_progress:
                 on_progress(resumed_from + counts["stored"] + counts["reused"], total)
-    except BaseException:
+        writer.close()
+    except BaseException as err:
         try:
             writer.close()  # keep the complete samples already computed: a rerun resumes after them
         except Exception:
             pass
+        if is_disk_full(err):
+            per_sample = writer.bytes_written / max(len(writer.index) - resumed_from, 1)
+            raise disk_full(out_dir, per_sample * max(total - len(writer.index), 1) if writer.bytes_written else None,
+                            "the remaining hidden states") from err
         raise
     finally:
         errors.close()
-    writer.close()
+    if not writer.index:
+        raise NoResult(f"extract stored 0 samples from {generate_dir} into {out_dir}: every sample was skipped; the "
+                       f"reasons are in {out_dir / 'errors.jsonl'}. Fix the generate output, then rerun extract")
     tokens = sum(v[2] for v in writer.index.values())
     shard_bytes = sum((out_dir / s).stat().st_size for s in writer.shards)
     manifest = {

@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.batching import token_budget_batches
+from eagle3.errors import CorruptArtifact
 from eagle3.generate.storage import fsync_dir, write_json_atomic
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -58,6 +59,29 @@ class Sample:
         return int(self.input_ids.shape[0])
 
 
+def check_shard(path: Path) -> None:
+    """Raise CorruptArtifact, naming the file, unless ``path`` is a whole safetensors file: its header
+    parses and its size is what the header promises. Reads the header only (a shard is GBs)."""
+    path = Path(path)
+    fix = (f"delete its extract folder {path.parent} and rerun extract (or rerun with a new runs dir); "
+           "the generate output is untouched")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size:
+                raise ValueError(f"header length {n} > file size {size}")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except FileNotFoundError:
+        raise CorruptArtifact(f"{path}: shard listed in {path.parent / 'index.json'} is missing; {fix}") from None
+    except (OSError, ValueError, struct.error, KeyError, TypeError) as e:
+        raise CorruptArtifact(f"{path}: not a readable safetensors shard ({e}); {fix}") from None
+    if size != 8 + n + end:
+        raise CorruptArtifact(f"{path}: truncated safetensors shard ({size} bytes, its header promises "
+                              f"{8 + n + end}); {fix}")
+
+
 class ShardWriter:
     """Buffers samples and writes a shard every ``samples_per_shard``."""
 
@@ -69,6 +93,8 @@ class ShardWriter:
         self.index_path = self.root / "index.json"
         self.index: dict[str, list] = json.loads(self.index_path.read_text()) if self.index_path.exists() else {}
         self.shards = sorted({v[0] for v in self.index.values()})
+        for shard in self.shards:  # a resume must not build on a shard that was cut short
+            check_shard(self.root / shard)
         for stray in self.root.glob(".hidden-*.tmp"):
             stray.unlink()  # a shard that was being written when a run died
         self._buf: list[Sample] = []
@@ -185,7 +211,12 @@ class HiddenStateDataset:
     def __init__(self, root: Path, dtype: torch.dtype = torch.bfloat16):
         self.root = Path(root)
         self.dtype = dtype
-        index = json.loads((self.root / "index.json").read_text())
+        index_path = self.root / "index.json"
+        if not index_path.is_file():
+            raise FileNotFoundError(f"{index_path}: no extract output here (run `eagle3 extract` first)")
+        index = json.loads(index_path.read_text())
+        for shard in sorted({v[0] for v in index.values()}):
+            check_shard(self.root / shard)
         self.ids = sorted(index)
         self.entries = [index[i] for i in self.ids]
         self._handles: dict[str, Any] = {}
@@ -227,6 +258,7 @@ class HiddenStateDataset:
 def iter_token_masks(root: Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, loss_mask) of every stored sample, without touching the hidden states."""
     for shard in sorted(Path(root).glob("hidden-*.safetensors")):
+        check_shard(shard)
         with safe_open(str(shard), framework="pt") as h:
             ids, mask, offsets = h.get_tensor("input_ids"), h.get_tensor("loss_mask"), h.get_tensor("offsets")
         for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):

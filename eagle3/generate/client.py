@@ -21,7 +21,13 @@ import httpx
 import openai
 from openai import AsyncOpenAI, DefaultAioHttpClient
 
+from eagle3.errors import EndpointError
+from eagle3.serving.readiness import root_url
+
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+# A wrong path, a wrong model name or a wrong key: the same for every prompt, so it stops the run
+# (naming the URL) instead of being recorded as one rejection per sample.
+SETUP_STATUS = {401, 403, 404}
 
 
 class Rejected(Exception):
@@ -34,6 +40,10 @@ class Rejected(Exception):
 
 class Exhausted(Exception):
     """Retryable failures until ``max_attempts`` ran out."""
+
+
+class BadResponse(Exception):
+    """A 200 whose body is not a JSON object: recorded as a failure of this sample (retried on rerun)."""
 
 
 @dataclass
@@ -86,9 +96,10 @@ def make_pool(base_urls: list[str], *, api_key: str | None, timeout_s: float, co
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
-        client = AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "EMPTY", max_retries=0,
+        url = root_url(url)
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "EMPTY", max_retries=0,
                              timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), http_client=http)
-        endpoints.append(Endpoint(url.rstrip("/"), client))
+        endpoints.append(Endpoint(url, client))
     return EndpointPool(endpoints, strategy)
 
 
@@ -123,8 +134,22 @@ async def chat_request(
             # message: a third of the CPU time per request at high rates) but keeps its auth,
             # timeouts and error mapping.
             raw = await ep.client.post("/chat/completions", body=request, cast_to=httpx.Response)
-            return json.loads(raw.content), ep.base_url, attempt + 1, time.perf_counter() - t0
+            try:
+                body = json.loads(raw.content)
+            except ValueError as e:
+                raise BadResponse(f"{ep.base_url}/v1/chat/completions answered {raw.status_code} with a body that is "
+                                  f"not JSON ({e}): {raw.content[:120]!r}") from None
+            if not isinstance(body, dict):
+                raise BadResponse(f"{ep.base_url}/v1/chat/completions answered a JSON {type(body).__name__}, "
+                                  "not an object")
+            return body, ep.base_url, attempt + 1, time.perf_counter() - t0
         except openai.APIStatusError as e:
+            if e.status_code in SETUP_STATUS:
+                raise EndpointError(
+                    f"{ep.base_url}/v1/chat/completions answered {e.status_code} ({_error_text(e)[:200]}): check the "
+                    "URL (serve.base_url / --base-url / generate.endpoints: the server's root, with or without /v1), "
+                    "target.served_model_name and serve.api_key; nothing was charged to the prompts, rerun after fixing"
+                ) from None
             if e.status_code not in RETRYABLE_STATUS:
                 raise Rejected(e.status_code, _error_text(e)) from None
             last = e

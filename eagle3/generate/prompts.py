@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.errors import InputDataError
+
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                 "bot": "assistant", "system": "system"}
 
@@ -263,7 +265,15 @@ def open_rows(dataset: str, split: str = "train") -> tuple[Sequence[Any], str]:
         kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
             raise ValueError(f"unsupported dataset file type {path.suffix!r} (jsonl, json, parquet)")
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        try:
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001 - datasets wraps the cause in DatasetGenerationError
+            cause = e.__cause__ or e.__context__ or e
+            first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+            raise InputDataError(
+                f"dataset file {path} cannot be read as {kind} ({type(cause).__name__}: {first}): fix it, or convert "
+                "it to .jsonl (one JSON object per line: a bad line is then skipped and recorded, the rest is used)"
+            ) from e
     else:
         ds = datasets.load_dataset(dataset, split=split)
     return ds, ds._fingerprint

@@ -10,13 +10,17 @@
   when a server gives none (recorded per sample as ``token_ids_source``).
 - Exact resume: ids already in the shards are skipped; a torn last record is cut off.
 - A prompt the server rejects is recorded and the run goes on; a server that stops answering
-  stops the stage with a clear error after the retries (a rerun resumes).
+  stops the stage with a clear error after the retries (a rerun resumes). A wrong URL or key
+  (404/401/403) stops it at once: it is the setup's fault, not the prompts' (issue #16).
+- The first prompts' token ids are checked against the local tokenizer and chat template: ids
+  that mean something else to extract and train stop the run before they are stored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -28,15 +32,17 @@ import httpx
 
 from eagle3.config import PipelineConfig
 from eagle3.fingerprint import server_fingerprint
-from eagle3.generate.client import EndpointPool, Exhausted, Rejected, RetryPolicy, chat_request, make_pool
+from eagle3.errors import EndpointError, ServerUnavailable, TokenIdMismatch, disk_full, is_disk_full
+from eagle3.generate.client import (BadResponse, EndpointPool, Exhausted, Rejected, RetryPolicy, chat_request,
+                                    make_pool)
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
 from eagle3.generate.storage import ShardStore, iter_samples, latest_errors, write_json_atomic
 from eagle3.serving.client import reasoning_of
-from eagle3.serving.readiness import auth_headers
+from eagle3.serving.readiness import FATAL_PROBE_STATUS, auth_headers, root_url
 
-
-class ServerUnavailable(RuntimeError):
-    """No endpoint answers any more: the stage stops; a rerun resumes where it stopped."""
+log = logging.getLogger(__name__)
+TOKEN_CHECK_FIRST = 8  # the first prompts of every run whose ids are checked against the local template
+TOKEN_CHECK_EVERY = 500  # and one in this many after them
 
 
 @dataclass
@@ -129,12 +135,67 @@ async def _endpoints_alive(pool: EndpointPool, api_key: str | None) -> bool:
     return False
 
 
+async def check_endpoints(urls: list[str], model: str, api_key: str | None) -> None:
+    """Fail at once on a wrong URL, key or model name (404/401/403 or the model not listed on
+    /v1/models) instead of charging every prompt with it. Unreachable endpoints are left to the
+    retries (a server may come back)."""
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers(api_key)) as c:
+        for url in urls:
+            try:
+                r = await c.get(f"{url}/v1/models")
+            except httpx.HTTPError:
+                continue
+            if r.status_code in FATAL_PROBE_STATUS:
+                raise EndpointError(f"{url}/v1/models answered {r.status_code}: check the URL (serve.base_url / "
+                                    "--base-url / generate.endpoints: the server's root, with or without /v1) and "
+                                    "serve.api_key, then rerun")
+            try:
+                served = [d.get("id") for d in r.json().get("data", [])] if r.status_code == 200 else None
+            except (ValueError, AttributeError):
+                served = None
+            if served is not None and model not in served:
+                raise EndpointError(f"{url}/v1/models does not list {model!r} (it serves {served}): set "
+                                    "target.served_model_name to the served name, then rerun")
+
+
+class TokenCheck:
+    """Compare a sample of the server's prompt ids with the local tokenizer + chat template.
+
+    Why: a server or proxy that returns other ids (another tokenizer, a stub, a template change)
+    would otherwise be stored as training data and extracted without complaint (issue #16)."""
+
+    def __init__(self, tokenizer: Any | None, chat_template_kwargs: dict[str, Any] | None, source: str | None):
+        self.tok, self.kwargs, self.source = tokenizer, chat_template_kwargs, source
+        self.seen = 0
+        self.checked = 0
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if self.tok is None or record["token_ids_source"] != "server":
+            return
+        self.seen += 1
+        if self.seen > TOKEN_CHECK_FIRST and self.seen % TOKEN_CHECK_EVERY:
+            return
+        from eagle3.tokens import template_prompt_ids
+
+        mine = template_prompt_ids(self.tok, record["messages"], self.kwargs)
+        self.checked += 1
+        if mine != record["prompt_token_ids"]:
+            at = next((i for i, (a, b) in enumerate(zip(mine, record["prompt_token_ids"])) if a != b),
+                      min(len(mine), len(record["prompt_token_ids"])))
+            raise TokenIdMismatch(
+                f"the server's prompt token ids for sample {record['id']} ({len(record['prompt_token_ids'])} ids) "
+                f"differ from the local tokenizer {self.source} + chat template ({len(mine)} ids) at position {at}: "
+                "extract and train would read them with the wrong meaning. Serve the target's own tokenizer, or "
+                "point target.tokenizer at the served model's; nothing of this sample was stored")
+
+
 class _Run:
     def __init__(self, cfg: PipelineConfig, pool: EndpointPool, store: ShardStore, progress: Progress,
-                 rebuild, on_progress):
+                 rebuild, on_progress, token_check: TokenCheck | None = None):
         self.cfg, self.pool, self.store, self.progress = cfg, pool, store, progress
         self.g = cfg.generate
         self.rebuild = rebuild
+        self.token_check = token_check or TokenCheck(None, None, None)
         self.on_progress = on_progress
         self.policy = RetryPolicy(self.g.max_attempts, self.g.backoff_base_s, self.g.backoff_max_s)
         self.counts: Counter[str] = Counter()
@@ -189,10 +250,13 @@ class _Run:
                         f"last error: {e}. {self.progress.done} samples were saved this run; rerun to resume."
                     ) from None
                 return self.error("failed", str(e), prompt)
+            except BadResponse as e:
+                return self.error("failed", str(e), prompt)
             try:
                 record = build_record(prompt, resp, ep, attempts, latency, self.cfg.target.expects_reasoning, self.rebuild)
             except (KeyError, IndexError, TypeError) as e:
                 return self.error("failed", f"malformed response: {type(e).__name__}: {e}", prompt)
+            self.token_check(record)
             self.store.add(record)
             self.counts["generated"] += 1
             for flag in record["flags"]:
@@ -246,14 +310,19 @@ def load_prompts(cfg: PipelineConfig, stats: PromptStats) -> Iterator[Prompt | S
     )
 
 
-def make_rebuilder(cfg: PipelineConfig, tokenizer_path: str | None):
+def load_tokenizer(cfg: PipelineConfig, tokenizer_path: str | None) -> Any | None:
     if not tokenizer_path:
         return None
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
+
+
+def make_rebuilder(cfg: PipelineConfig, tok: Any | None):
+    if tok is None:
+        return None
     from eagle3.tokens import rebuild_token_ids
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
     t = cfg.target
 
     def rebuild(messages, reasoning, content, finish_reason):
@@ -266,12 +335,15 @@ def make_rebuilder(cfg: PipelineConfig, tokenizer_path: str | None):
 def folder_totals(out_dir: Path) -> dict[str, Any]:
     n = prompt_tokens = completion_tokens = 0
     flags: Counter[str] = Counter()
+    done: set[str] = set()
     for r in iter_samples(out_dir):
+        done.add(r["id"])
         n += 1
         prompt_tokens += len(r["prompt_token_ids"])
         completion_tokens += len(r["completion_token_ids"])
         flags.update(r.get("flags", []))
-    errors = latest_errors(out_dir)
+    # a failure that a later run filled in is history, not a current error
+    errors = {k: e for k, e in latest_errors(out_dir).items() if e.get("id") not in done}
     return {
         "samples": n,
         "prompt_tokens": prompt_tokens,
@@ -297,13 +369,19 @@ def generate(
     if window is None:
         raise ValueError("generate.concurrency is 'auto': resolve it with profile_concurrency first")
     out_dir = Path(out_dir)
+    base_urls = [root_url(u) for u in base_urls]
+    asyncio.run(check_endpoints(base_urls, cfg.target.served_model_name, cfg.serve.api_key))
     store = ShardStore(out_dir, shard_size=g.shard_size)
+    for where, reason in store.bad_lines:
+        log.warning("%s: %s; skipped (that sample is requested again)", where, reason)
     resumed_from = len(store.done_ids)
     stats = PromptStats()
     progress = Progress(total=g.num_samples, started=time.monotonic())
     pool = make_pool(base_urls, api_key=cfg.serve.api_key, timeout_s=g.timeout_s,
                      connect_timeout_s=g.connect_timeout_s, max_connections=window, strategy=g.balancing)
-    runner = _Run(cfg, pool, store, progress, make_rebuilder(cfg, tokenizer_path), on_progress)
+    tok = load_tokenizer(cfg, tokenizer_path)
+    runner = _Run(cfg, pool, store, progress, make_rebuilder(cfg, tok), on_progress,
+                  TokenCheck(tok, g.chat_template_kwargs, tokenizer_path))
     started = time.time()
 
     async def main() -> None:
@@ -314,12 +392,24 @@ def generate(
 
     try:
         asyncio.run(main())
-    finally:
         store.close()
-    if finalize:
-        store.finalize()
-    wall = time.time() - started
-    manifest = {
+        if finalize:
+            store.finalize()
+        manifest = _manifest(cfg, base_urls, window, stats, runner, resumed_from, time.time() - started, out_dir)
+        write_json_atomic(out_dir / "manifest.json", manifest)
+    except BaseException as e:
+        _close_quietly(store)
+        if is_disk_full(e):
+            raise disk_full(out_dir, _bytes_still_needed(out_dir, len(store.done_ids), g.num_samples),
+                            "the remaining samples") from e
+        raise
+    return manifest
+
+
+def _manifest(cfg: PipelineConfig, base_urls: list[str], window: int, stats: PromptStats, runner: "_Run",
+              resumed_from: int, wall: float, out_dir: Path) -> dict[str, Any]:
+    g, store, progress = cfg.generate, runner.store, runner.progress
+    return {
         "stage": "generate",
         "target": cfg.target.model,
         "served_model_name": cfg.target.served_model_name,
@@ -334,6 +424,8 @@ def generate(
             "counts": dict(runner.counts),
             "prompt_rows": asdict(stats),
             "torn_bytes_dropped": store.torn_bytes,
+            "unreadable_lines": [f"{w}: {r}" for w, r in store.bad_lines],
+            "token_ids_checked": runner.token_check.checked,
             "wall_s": round(wall, 2),
             "completion_tokens": progress.completion_tokens,
             "prompt_tokens": runner.prompt_tokens,
@@ -343,8 +435,23 @@ def generate(
         "totals": folder_totals(out_dir),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    write_json_atomic(out_dir / "manifest.json", manifest)
-    return manifest
+
+
+def _close_quietly(store: ShardStore) -> None:
+    """Flush what is stored after a failure; a second failure (the same full disk) must not hide the first."""
+    try:
+        store.close()
+    except OSError as e:
+        log.warning("closing %s after a failure: %s", store.root, e)
+
+
+def _bytes_still_needed(out_dir: Path, done: int, total: int | None) -> float | None:
+    """Stored bytes per sample so far times the samples still to come (None if unknown)."""
+    stored = sum(p.stat().st_size for p in Path(out_dir).glob("samples-*.jsonl*"))
+    if not done or not stored:
+        return None
+    per_sample = stored / done
+    return per_sample * max((total or done) - done, 1) * 1.1
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any]:

@@ -15,13 +15,25 @@ them, so no sample is lost or duplicated.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 OPEN_SUFFIX = ".open"
 PERMANENT = {"rejected", "skipped"}  # the prompt is the problem; "failed" (the server was) is retried on rerun
+# Wrong URL / key, recorded as per-sample rejections before issue #16: a property of the setup, so retried.
+_SETUP_STATUS = re.compile(r"rejected by server \((401|403|404)\)")
+
+
+def is_permanent(e: dict[str, Any]) -> bool:
+    """Whether an error record means the prompt itself is the problem (not resent on a rerun)."""
+    return e.get("kind") in PERMANENT and not _SETUP_STATUS.match(str(e.get("reason", "")))
 
 
 def _error_key(e: dict[str, Any]) -> tuple:
@@ -46,23 +58,28 @@ def write_json_atomic(path: Path, data: Any) -> None:
     fsync_dir(path.parent)
 
 
-def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+def repair_jsonl(path: Path, bad: list[tuple[str, str]] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Complete records of a jsonl file; a torn tail (kill mid-write) is truncated away.
 
-    Returns (records, bytes dropped).
+    A complete line that does not parse (disk corruption, a hand edit) is skipped and reported in
+    ``bad`` as ("file:line", reason), never truncated: cutting there would delete every later
+    record. Returns (records, bytes dropped).
     """
     data = path.read_bytes()
     records: list[dict[str, Any]] = []
     good_end = 0
     pos = 0
+    lineno = 0
     while pos < len(data):
         nl = data.find(b"\n", pos)
         if nl < 0:
             break  # no newline: the last write was cut
+        lineno += 1
         try:
             records.append(json.loads(data[pos:nl]))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            break  # a torn record followed by a later write cannot happen; stop at the first bad line
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if bad is not None:
+                bad.append((f"{path}:{lineno}", f"unreadable line ({type(e).__name__}: {e})"))
         good_end = pos = nl + 1
     dropped = len(data) - good_end
     if dropped:
@@ -74,23 +91,31 @@ def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 class JsonlAppender:
-    """One JSON record per line, one write per record, flushed; fsync every ``sync_every``."""
+    """One JSON record per line, one write per record; fsync every ``sync_every``.
+
+    Unbuffered: a record is in the file when ``append`` returns, and a write that fails (disk
+    full) is cut back off, so no half record is left behind for a later append to follow."""
 
     def __init__(self, path: Path, sync_every: int = 64):
         self.path = path
-        self.f = open(path, "ab")
+        self.f = open(path, "ab", buffering=0)
         self.sync_every = sync_every
         self._since_sync = 0
 
     def append(self, record: dict[str, Any]) -> None:
-        self.f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
-        self.f.flush()
+        view = memoryview(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
+        start = self.f.seek(0, os.SEEK_END)
+        try:
+            while view:
+                view = view[self.f.write(view):]
+        except OSError:
+            self.f.truncate(start)
+            raise
         self._since_sync += 1
         if self._since_sync >= self.sync_every:
             self.sync()
 
     def sync(self) -> None:
-        self.f.flush()
         os.fsync(self.f.fileno())
         self._since_sync = 0
 
@@ -108,10 +133,11 @@ class ShardStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.shard_size = shard_size
         self.torn_bytes = 0
+        self.bad_lines: list[tuple[str, str]] = []  # unreadable complete lines: skipped, their samples redone
         self.done_ids: set[str] = set()
         complete = sorted(self.root.glob("samples-*.jsonl"))
         for shard in complete:
-            records, dropped = repair_jsonl(shard)
+            records, dropped = repair_jsonl(shard, self.bad_lines)
             self.torn_bytes += dropped
             self.done_ids.update(r["id"] for r in records)
         open_shards = sorted(self.root.glob(f"samples-*.jsonl{OPEN_SUFFIX}"))
@@ -126,10 +152,10 @@ class ShardStore:
             for e in errors:
                 self._error_keys.add(_error_key(e))
                 if e.get("id"):
-                    (self.permanent_ids.add if e["kind"] in PERMANENT else self.permanent_ids.discard)(e["id"])
+                    (self.permanent_ids.add if is_permanent(e) else self.permanent_ids.discard)(e["id"])
         if open_shards:
             self._open_path = open_shards[0]
-            records, dropped = repair_jsonl(self._open_path)
+            records, dropped = repair_jsonl(self._open_path, self.bad_lines)
             self.torn_bytes += dropped
             self.done_ids.update(r["id"] for r in records)
             self._count = len(records)
@@ -184,16 +210,44 @@ class ShardStore:
         fsync_dir(self.root)
 
 
-def iter_samples(root: Path) -> Iterator[dict[str, Any]]:
-    """Every complete sample of a generate folder (complete and open shards, torn tails ignored)."""
+def iter_samples(root: Path, on_bad: Callable[[str, str], None] | None = None) -> Iterator[dict[str, Any]]:
+    """Every complete sample of a generate folder (complete and open shards).
+
+    A line that does not parse, or a shard's last line cut off without its newline, is skipped and
+    reported to ``on_bad(\"file:line\", reason)`` (default: a logged warning); reading goes on with
+    the next line and shard. Stopping there silently dropped every later sample (issue #16).
+    """
+    report = on_bad or (lambda where, reason: log.warning("%s: %s; skipped", where, reason))
     for shard in sorted(Path(root).glob("samples-*.jsonl*")):
         with open(shard, "rb") as f:
-            for line in f:
-                if line.endswith(b"\n"):
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError:
-                        return
+            for lineno, line in enumerate(f, 1):
+                if not line.endswith(b"\n"):
+                    if not shard.name.endswith(OPEN_SUFFIX):  # an open shard's torn tail is a kill in progress
+                        report(f"{shard}:{lineno}", "last line cut off (no newline)")
+                    continue
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or "id" not in record:
+                        raise ValueError("not a sample record (no id)")
+                except (ValueError, UnicodeDecodeError) as e:
+                    report(f"{shard}:{lineno}", f"unreadable line ({type(e).__name__}: {e})")
+                    continue
+                yield record
+
+
+@dataclass
+class SampleScan:
+    """What a generate folder holds, read once: sample ids and the lines that could not be read."""
+
+    ids: set[str]
+    bad: list[tuple[str, str]]
+
+
+def scan_samples(root: Path) -> SampleScan:
+    scan = SampleScan(set(), [])
+    for r in iter_samples(root, on_bad=lambda where, reason: scan.bad.append((where, reason))):
+        scan.ids.add(r["id"])
+    return scan
 
 
 def latest_errors(root: Path) -> dict[str, dict[str, Any]]:

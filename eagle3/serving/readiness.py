@@ -13,9 +13,7 @@ from collections.abc import Callable
 
 import httpx
 
-
-class ServerError(RuntimeError):
-    """The server could not be started or reached; the message says why."""
+from eagle3.errors import EndpointError, ServerError
 
 
 class PortInUseError(ServerError):
@@ -45,18 +43,41 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def root_url(base_url: str) -> str:
+    """The server's root: ``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` (the OpenAI convention)
+    all mean the same server; ``/health`` lives at the root, the API under ``/v1``."""
+    url = base_url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+# Statuses that no amount of waiting fixes: a wrong path (404), a wrong or missing key (401/403).
+FATAL_PROBE_STATUS = {401, 403, 404}
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _fatal(url: str, status: int) -> EndpointError:
+    what = "the key (serve.api_key)" if status in (401, 403) else "the URL (serve.base_url / --base-url: the server's root)"
+    return EndpointError(f"{url} answered {status}: this is not a vLLM server's route or the key is wrong; check "
+                         f"{what} and rerun")
+
+
 def probe(base_url: str, model: str | None, api_key: str | None = None, timeout: float = 5.0) -> str | None:
-    """None if ready, else a short reason (for the timeout message)."""
+    """None if ready, else a short reason (for the timeout message). Raises EndpointError on a
+    404/401/403, which waiting cannot fix (a wrong path used to wait out the whole ready timeout)."""
+    base_url = root_url(base_url)
     try:
         with httpx.Client(timeout=timeout, headers=auth_headers(api_key)) as c:
             h = c.get(f"{base_url}/health")
+            if h.status_code in FATAL_PROBE_STATUS - {401, 403}:  # vLLM's /health takes no key
+                raise _fatal(f"{base_url}/health", h.status_code)
             if h.status_code != 200:
                 return f"/health answered {h.status_code}"
             m = c.get(f"{base_url}/v1/models")
+            if m.status_code in FATAL_PROBE_STATUS:
+                raise _fatal(f"{base_url}/v1/models", m.status_code)
             if m.status_code != 200:
                 return f"/v1/models answered {m.status_code}"
             ids = [d.get("id") for d in m.json().get("data", [])]

@@ -23,6 +23,7 @@ from eagle3.serving.readiness import (
     ServerError,
     free_port,
     port_is_free,
+    root_url,
     wait_until_ready,
 )
 from eagle3.serving.systemd import SystemdUnit
@@ -114,7 +115,7 @@ def start_server(
     name = cfg.target.served_model_name
 
     if s.backend == "external":
-        base_url = s.base_url.rstrip("/")
+        base_url = root_url(s.base_url)
         ready = wait_until_ready(
             base_url, name, timeout_s=timeout, poll_interval_s=s.poll_interval_s,
             check_alive=lambda: None, api_key=s.api_key,
