@@ -2,6 +2,10 @@
 
 vLLM cannot be made to answer 429 or 503 on demand, so the client's retry policy is tested
 against this; everything else about generation is tested against the real vLLM server.
+Nor can vLLM be made to answer 200 with a body that is not JSON (a proxy's error page: status
+299 in the script), nor to return token ids that are not its tokenizer's (the canned answer's
+ids are [9, 8, 7, 6, 5]): tests/test_faults.py uses this for those two cases. ``/v1/models``
+always answers (model "zero") without taking a status from the script.
 
     python scripted_server.py PORT STATUS[,STATUS...]   e.g. 429,503,200  (then 200 forever)
 """
@@ -11,7 +15,7 @@ import json
 import sys
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "bench"))
-from zero_server import BODY, Handler, response  # noqa: E402
+from zero_server import BODY, MODELS, Handler, response  # noqa: E402
 
 STATUSES: list[int] = []
 
@@ -27,9 +31,14 @@ class Scripted(Handler):
         if len(self.buf) < head_end + 4 + length:
             return
         self.buf = self.buf[head_end + 4 + length:]
+        if head.split(" ", 2)[1].endswith("/models"):
+            self.t.write(response(MODELS))
+            return
         status = STATUSES.pop(0) if STATUSES else 200
         if status == 200:
             self.t.write(response(BODY))
+        elif status == 299:  # 200 with a body that is not JSON (a proxy's error page)
+            self.t.write(response(b"<html><body>502 Bad Gateway</body></html>"))
         else:
             body = json.dumps({"error": {"message": f"scripted {status}"}}).encode()
             self.t.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
