@@ -195,6 +195,62 @@ def cmd_mtbench_hf(a) -> None:
     print(json.dumps({"samples": len(samples), "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples)}))
 
 
+def cmd_answers(a) -> None:
+    """ShareGPT's own answers as training data (fixed data, EAGLE-1 style): the first ``--turns``
+    assistant turns of each conversation that opens with a user turn, each as one sample (prompt =
+    the conversation so far through the chat template, completion = the answer's tokens + the
+    end-of-turn token). The loss never sees these tokens as labels: the draft is trained on the
+    target's own distribution at every position (extract), so other writers' text only changes
+    which contexts the target is read on. Prompts of ``--exclude`` folders and MT-bench are left out."""
+    from eagle3.generate.prompts import RowError, _key, mt_bench_keys, open_rows, row_messages, sample_id
+    from eagle3.generate.storage import iter_samples
+
+    cfg = _cfg()
+    tok = _tokenizer(cfg)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    drop = set(mt_bench_keys())
+    for d in a.exclude:
+        for s in iter_samples(Path(d)):
+            drop.add(_key(tok.decode(s["prompt_token_ids"]).split("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]))
+    rows, _ = open_rows(a.dataset)
+    samples, stats = [], {"conversations": 0, "skipped": 0, "excluded": 0, "too_long": 0}
+    for where, row, err in rows:
+        try:
+            if err:
+                raise RowError(err)
+            msgs = row_messages(row)
+        except RowError:
+            stats["skipped"] += 1
+            continue
+        if not msgs or msgs[0]["role"] != "user" or _key(msgs[0]["content"]) in drop:
+            stats["excluded" if msgs and msgs[0]["role"] == "user" else "skipped"] += 1
+            continue
+        stats["conversations"] += 1
+        turns = 0
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant" or not m["content"].strip() or msgs[i - 1]["role"] != "user":
+                continue
+            prompt = list(tok.apply_chat_template(msgs[:i], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+            comp = tok(m["content"], add_special_tokens=False)["input_ids"][: a.max_tokens] + [eot]
+            if len(prompt) + len(comp) > a.max_len:
+                stats["too_long"] += 1
+                break
+            samples.append({"id": sample_id(msgs[: i + 1]), "prompt_token_ids": prompt, "completion_token_ids": comp,
+                            "finish_reason": "stop", "token_ids_source": "sharegpt-answer"})
+            turns += 1
+            if turns >= a.turns:
+                break
+    import random
+
+    random.Random(0).shuffle(samples)
+    write_generate_folder(Path(a.out), samples, {"source": a.dataset, "turns": a.turns, "max_tokens": a.max_tokens,
+                                                 "fixed_answers": True})
+    print(json.dumps({**stats, "samples": len(samples),
+                      "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples),
+                      "tokens": sum(len(s["prompt_token_ids"]) + len(s["completion_token_ids"]) for s in samples)}))
+
+
 # ---------------------------------------------------------------------------------------------
 # Extract, subsets, train, evaluate
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +282,9 @@ def subset_folder(full: Path, gen: Path, n: int, out: Path) -> Path:
     for shard in full.glob("hidden-*.safetensors"):
         os.symlink(shard.resolve(), out / shard.name)
     (out / "index.json").write_text(json.dumps({i: index[i] for i in keep}))
-    shutil.copy(full / "manifest.json", out / "manifest.json")
+    manifest = json.loads((full / "manifest.json").read_text())
+    manifest.update(samples=len(keep), subset_of=str(full))  # train checks the count against the index
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
 
 
@@ -441,6 +499,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--workload", default="mt_bench", help="'mt_bench' or MT-bench's question.jsonl")
     p.add_argument("--out", required=True)
+    p = sub.add_parser("answers")
+    p.add_argument("--dataset", default="embedded:sharegpt")
+    p.add_argument("--turns", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--exclude", action="append", default=[])
+    p.add_argument("--out", required=True)
     p = sub.add_parser("run")
     p.add_argument("--train-gen", required=True)
     p.add_argument("--eval", action="append", default=[], help="NAME=GENERATE_DIR")
@@ -474,7 +539,7 @@ def main() -> None:
     a = ap.parse_args()
     {"prompts": cmd_prompts, "generate-hf": cmd_generate_hf, "mtbench-hf": cmd_mtbench_hf, "run": cmd_run,
      "plot": cmd_plot, "extract": cmd_extract, "eval": cmd_eval,
-     "combine": cmd_combine}[a.cmd](a)
+     "combine": cmd_combine, "answers": cmd_answers}[a.cmd](a)
 
 
 if __name__ == "__main__":
