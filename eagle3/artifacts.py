@@ -36,7 +36,7 @@ from typing import Any
 
 from eagle3.config import PipelineConfig
 from eagle3.generate.storage import (
-    PERMANENT,
+    is_permanent,
     iter_samples,
     latest_errors,
     write_json_atomic,
@@ -298,7 +298,7 @@ def generate_status(cfg: PipelineConfig, key: str | None = None) -> GenerateStat
     selected = selected_prompt_ids(cfg)
     done = set(sample_ids(out_dir))
     errors = latest_errors(out_dir) if out_dir.is_dir() else {}
-    permanent = {i for i, e in errors.items() if e.get("kind") in PERMANENT}
+    permanent = {i for i, e in errors.items() if is_permanent(e)}
     todo = [i for i in selected if i not in done]
     rejected = sum(1 for i in todo if i in permanent)
     pending = len(todo) - (0 if cfg.generate.retry_rejected else rejected)

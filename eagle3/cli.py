@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 import typer
 
 from eagle3.config import ConfigError, PipelineConfig, load_config
-from eagle3.errors import Eagle3Error, Interrupted, disk_full, is_disk_full
+from eagle3.errors import Eagle3Error, Interrupted
 from eagle3.serving.gpus import GPUsBusy, units_restored
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -484,31 +484,10 @@ def _count_samples(out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: the Typer app with signal handling and one-line errors."""
-    import traceback
+    """Entry point: the Typer app with signal handling and one-line errors (eagle3.entry)."""
+    from eagle3.entry import run
 
-    from eagle3.signals import interrupts_raise
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("EAGLE3_DEBUG") == "1"
-    args = [a for a in args if a != "--debug"]
-    try:
-        with interrupts_raise():
-            app(args=args, prog_name="eagle3")
-    except Interrupted as e:
-        saved = getattr(e, "saved", None) or "what it had written is kept"
-        typer.secho(f"interrupted ({e}): every server this command started was stopped; {saved}. Rerun the same "
-                    "command to resume.", fg="yellow", err=True)
-        sys.exit(128 + e.signum)
-    except (Eagle3Error, OSError) as e:
-        if isinstance(e, OSError) and not isinstance(e, Eagle3Error):
-            if not is_disk_full(e):
-                raise
-            e = disk_full(Path(e.filename or os.getcwd()), None, "this stage")
-        if debug:
-            traceback.print_exc()
-        typer.secho(f"error: {e}", fg="red", err=True)
-        sys.exit(getattr(e, "exit_code", 1))
+    run(app, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

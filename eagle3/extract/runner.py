@@ -122,6 +122,80 @@ def check_input(generate_dir: Path, gen_manifest: dict[str, Any]) -> list[tuple[
     return scan.bad
 
 
+class ErrorLog:
+    """extract's errors.jsonl: one line per skipped sample or unreadable input line, each once
+    (a rerun meets the same bad lines again)."""
+
+    def __init__(self, path: Path):
+        self.known = ({(r.get("id"), r.get("reason")) for r in repair_jsonl(path)[0]} if path.is_file() else set())
+        self.out = JsonlAppender(path)
+
+    def record(self, sid: str | None, reason: str, where: str | None = None) -> None:
+        if (sid, reason) not in self.known:
+            self.known.add((sid, reason))
+            self.out.append({"id": sid, "reason": reason, **({"where": where} if where else {}), "time": time.time()})
+
+    def close(self) -> None:
+        self.out.close()
+
+
+def _states(cfg: PipelineConfig, model_path: str, out_dir: Path,
+            examples: Iterator[Example]) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
+    """(example, aux states, final state) from the configured backend."""
+    e, layers = cfg.extract, cfg.aux_layers
+    first = next(examples, None)  # copies the reused samples up to the first one to compute
+    if first is None:  # all resumed, reused or skipped: no model load, no server, no GPUs taken
+        return
+    examples = itertools.chain([first], examples)
+    if e.backend == "hf":
+        from eagle3.extract.hf_backend import extract_hf
+
+        yield from extract_hf(model_path, examples, layers, e.token_budget, e.chunk_samples, e.device, e.dtype,
+                              cfg.target.trust_remote_code)
+        return
+    from eagle3.extract.vllm_backend import extract_vllm
+
+    # one server for the whole run; layer N (= num_hidden_layers) is the final pre-norm state
+    waiting: dict[str, Example] = {}
+
+    def requests() -> Iterator[tuple[str, list[int]]]:
+        for ex in examples:
+            waiting[ex.id] = ex
+            yield ex.id, ex.input_ids
+
+    n = cfg.target.num_hidden_layers
+    for sid, hidden in extract_vllm(cfg, model_path, requests(), [*layers, n], out_dir / "vllm-work",
+                                    concurrency=e.vllm_concurrency):
+        ex = waiting.pop(sid)
+        yield ex, hidden[:, : len(layers)].flatten(1), hidden[:, len(layers)]
+
+
+def _manifest(cfg: PipelineConfig, generate_dir: Path, model_path: str, fingerprint: str | None, writer: ShardWriter,
+              out_dir: Path, this_run: dict[str, Any]) -> dict[str, Any]:
+    e = cfg.extract
+    tokens = sum(v[2] for v in writer.index.values())
+    shard_bytes = sum((out_dir / s).stat().st_size for s in writer.shards)
+    return {
+        "stage": "extract",
+        "target": cfg.target.model,
+        "model_path": model_path,
+        "backend": e.backend,
+        "tokenizer_fingerprint": fingerprint,
+        "aux_layers": cfg.aux_layers,
+        "convention": CONVENTION,
+        "hidden_size": cfg.target.hidden_size,
+        "storage_dtype": e.storage_dtype,
+        "config": e.model_dump(mode="json"),
+        "settings_key": settings_key(cfg),
+        "generate_dir": str(generate_dir),
+        "samples": len(writer.index),
+        "tokens": tokens,
+        "bytes": shard_bytes,
+        "bytes_per_token": round(shard_bytes / max(tokens, 1), 1),
+        "this_run": this_run,
+    }
+
+
 def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: str,
             on_progress: Callable[[int, int], None] | None = None, reuse_from: Path | None = None) -> dict[str, Any]:
     """Run the stage into ``out_dir`` (resuming what is there); see the module docstring."""
@@ -132,50 +206,16 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     unreadable = check_input(generate_dir, gen_manifest)
     writer = ShardWriter(out_dir, e.storage_dtype, e.samples_per_shard)
     resumed_from = len(writer.done_ids)
-    known = ({(r.get("id"), r.get("reason")) for r in repair_jsonl(out_dir / "errors.jsonl")[0]}
-             if (out_dir / "errors.jsonl").is_file() else set())
-    errors = JsonlAppender(out_dir / "errors.jsonl")
+    errors = ErrorLog(out_dir / "errors.jsonl")
+    record_error = errors.record
     counts = {"stored": 0, "reused": 0, "skipped": 0, "truncated": 0, "nonfinite": 0, "unreadable": len(unreadable)}
     reuse = Reuse(cfg, reuse_from)
     computed_tokens = 0
     total = gen_manifest["totals"]["samples"]
     started = time.time()
-    layers = cfg.aux_layers
-
-    def record_error(sid: str | None, reason: str, where: str | None = None) -> None:
-        if (sid, reason) not in known:  # a rerun meets the same bad lines again
-            known.add((sid, reason))
-            errors.append({"id": sid, "reason": reason, **({"where": where} if where else {}), "time": time.time()})
 
     for where, reason in unreadable:
         record_error(None, f"{where}: {reason}", where)
-
-    def states(examples: Iterator[Example]) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
-        first = next(examples, None)  # copies the reused samples up to the first one to compute
-        if first is None:  # all resumed, reused or skipped: no model load, no server, no GPUs taken
-            return
-        examples = itertools.chain([first], examples)
-        if e.backend == "hf":
-            from eagle3.extract.hf_backend import extract_hf
-
-            yield from extract_hf(model_path, examples, layers, e.token_budget, e.chunk_samples, e.device, e.dtype,
-                                  cfg.target.trust_remote_code)
-            return
-        from eagle3.extract.vllm_backend import extract_vllm
-
-        # one server for the whole run; layer N (= num_hidden_layers) is the final pre-norm state
-        waiting: dict[str, Example] = {}
-
-        def requests() -> Iterator[tuple[str, list[int]]]:
-            for ex in examples:
-                waiting[ex.id] = ex
-                yield ex.id, ex.input_ids
-
-        n = cfg.target.num_hidden_layers
-        for sid, hidden in extract_vllm(cfg, model_path, requests(), [*layers, n], out_dir / "vllm-work",
-                                        concurrency=e.vllm_concurrency):
-            ex = waiting.pop(sid)
-            yield ex, hidden[:, : len(layers)].flatten(1), hidden[:, len(layers)]
 
     def examples() -> Iterator[Example]:
         for item in iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids,
@@ -197,7 +237,7 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
                 on_progress(resumed_from + counts["stored"] + counts["reused"], total)
 
     try:
-        for ex, aux, final in states(examples()):
+        for ex, aux, final in _states(cfg, model_path, out_dir, examples()):
             if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
                 record_error(ex.id, "non-finite hidden states (NaN/inf)")
                 counts["nonfinite"] += 1
@@ -227,28 +267,9 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     if not writer.index:
         raise NoResult(f"extract stored 0 samples from {generate_dir} into {out_dir}: every sample was skipped; the "
                        f"reasons are in {out_dir / 'errors.jsonl'}. Fix the generate output, then rerun extract")
-    tokens = sum(v[2] for v in writer.index.values())
-    shard_bytes = sum((out_dir / s).stat().st_size for s in writer.shards)
-    manifest = {
-        "stage": "extract",
-        "target": cfg.target.model,
-        "model_path": model_path,
-        "backend": e.backend,
-        "tokenizer_fingerprint": fingerprint,
-        "aux_layers": layers,
-        "convention": CONVENTION,
-        "hidden_size": cfg.target.hidden_size,
-        "storage_dtype": e.storage_dtype,
-        "config": e.model_dump(mode="json"),
-        "settings_key": settings_key(cfg),
-        "generate_dir": str(generate_dir),
-        "samples": len(writer.index),
-        "tokens": tokens,
-        "bytes": shard_bytes,
-        "bytes_per_token": round(shard_bytes / max(tokens, 1), 1),
-        "this_run": {"resumed_from": resumed_from, **counts, "wall_s": round(time.time() - started, 2),
-                     "reuse": {"from": str(reuse.folder) if reuse.folder else None, "why_not": reuse.reason},
-                     "tokens_per_s": round(computed_tokens / max(time.time() - started, 1e-9), 1)},
-    }
+    manifest = _manifest(cfg, generate_dir, model_path, fingerprint, writer, out_dir,
+                         {"resumed_from": resumed_from, **counts, "wall_s": round(time.time() - started, 2),
+                          "reuse": {"from": str(reuse.folder) if reuse.folder else None, "why_not": reuse.reason},
+                          "tokens_per_s": round(computed_tokens / max(time.time() - started, 1e-9), 1)})
     write_json_atomic(out_dir / "manifest.json", manifest)
     return manifest
