@@ -270,6 +270,22 @@ def _pids_with_arg(*args: str) -> list[int]:
     return found
 
 
+def test_a_server_dies_with_its_parent_after_kill_9(tmp_path):
+    """kill -9 runs no cleanup at all: the child asked Linux for SIGTERM when its parent dies.
+    (A real vLLM server is covered by the SIGTERM test; `sleep` stands in for its process here.)"""
+    code = ("import sys, time; from eagle3.serving.process import ChildProcess; "
+            f"c = ChildProcess(['sleep', '300'], '{tmp_path}/child.log'); print(c.pid, flush=True); time.sleep(300)")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert group_members(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while group_members(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_members(child), "the child outlived its kill -9'd parent"
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_sigterm_stops_the_started_server_and_says_how_to_resume(smol_model, tmp_path):

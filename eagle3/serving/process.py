@@ -3,13 +3,18 @@
 vLLM forks an EngineCore and workers; they share the group of the API server we start
 with ``start_new_session=True``, so stopping signals the whole group (SIGTERM, then SIGKILL)
 and no engine process outlives the pipeline. Live servers are also stopped at interpreter
-exit, which covers Ctrl-C and failing tests.
+exit, which covers Ctrl-C and failing tests; SIGTERM is turned into an exception by the CLI
+(eagle3.signals) so the same cleanup runs. Against ``kill -9`` of the pipeline, which runs no
+cleanup at all, the server asks Linux for SIGTERM when its parent dies (PR_SET_PDEATHSIG):
+vLLM then shuts its engine down itself instead of living on, re-parented to init.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
+import sys
 import signal
 import subprocess
 import time
@@ -48,6 +53,14 @@ def group_members(pgid: int) -> list[int]:
 
 
 _live: "weakref.WeakSet[ChildProcess]" = weakref.WeakSet()
+PR_SET_PDEATHSIG = 1
+# Resolved here, not in the child: between fork and exec only this call may run (no imports, no locks).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, however it dies."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @atexit.register
@@ -73,6 +86,7 @@ class ChildProcess:
                 stderr=subprocess.STDOUT,
                 env=full_env,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if _prctl is not None else None,
             )
         except OSError as e:
             raise ServerError(f"cannot start {argv[0]!r}: {e.strerror}") from None
