@@ -334,6 +334,19 @@ def plot_coverage(curve: list[tuple[int, float]], path: Path, chosen: int | None
     _atomic_write(Path(path), buf.getvalue())
 
 
+def _check_read(extract_dir: Path, read: int) -> None:
+    """Fewer samples than extract's manifest lists means a shard went missing: fail, do not count less."""
+    import json
+
+    from eagle3.errors import MissingSamples
+
+    man = extract_dir / "manifest.json"
+    listed = json.loads(man.read_text()).get("samples") if man.is_file() else None
+    if listed is not None and read < int(listed):
+        raise MissingSamples(f"{extract_dir}: manifest.json lists {listed} samples, its shards hold {read}: a shard "
+                             "is missing; rerun extract into that folder (it recomputes what is missing), then vocab")
+
+
 def vocab_stage(extract_dir: Path, out_dir: Path, target_vocab_size: int, draft_vocab_size: int,
                 metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """The pipeline's vocab stage: count loss tokens of the stored training data, build and save
@@ -343,7 +356,15 @@ def vocab_stage(extract_dir: Path, out_dir: Path, target_vocab_size: int, draft_
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts = count_tokens(iter_token_masks(extract_dir), target_vocab_size)
+    read = [0]
+
+    def counted():
+        for pair in iter_token_masks(extract_dir):
+            read[0] += 1
+            yield pair
+
+    counts = count_tokens(counted(), target_vocab_size)
+    _check_read(Path(extract_dir), read[0])
     m = build_vocab(counts, draft_vocab_size)
     save_vocab(m, out_dir / "vocab.safetensors", metadata)
     sizes = sorted({s for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, 65536, draft_vocab_size)

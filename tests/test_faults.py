@@ -147,6 +147,18 @@ def test_a_truncated_shard_is_named(tmp_path):
             open_it()
 
 
+def test_vocab_fails_when_a_shard_is_missing(tmp_path):
+    from eagle3.vocab import vocab_stage
+    from tests.test_train import make_data, make_target
+
+    _, embed = make_target(tmp_path / "target")
+    data = make_data(tmp_path / "extract", embed, n=16)
+    (data / "manifest.json").write_text(json.dumps({"samples": 16}))
+    (data / "hidden-00001.safetensors").unlink()
+    with pytest.raises(MissingSamples, match=r"manifest.json lists 16 samples, its shards hold 8"):
+        vocab_stage(data, tmp_path / "vocab", 512, 80)
+
+
 # --- findings 4 and 5: wrong URLs stop the run at once; /v1 is accepted -------------------------
 
 
