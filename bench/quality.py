@@ -453,7 +453,7 @@ def cmd_plot(a) -> None:
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
     evals = sorted({k for r in rows for k, v in r.items()
                     if isinstance(v, dict) and "acceptance_length" in v and not k.endswith("_ngram")})
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(12, 5.5))
     styles = dict(zip(evals, ("o-", "s--", "^:", "d-.")))
     series: dict[str, list[dict]] = {}
     for r in rows:
@@ -470,12 +470,12 @@ def cmd_plot(a) -> None:
                        label=f"n-gram, simulated [{ev}]")
     if a.demo:
         ax.plot([40], [a.demo], "r*", ms=12, label="make demo's draft (vLLM, MT-bench 10 x 2)")
-    ax.set(xscale="log", xlabel="training samples (ShareGPT first turns, the target's own answers)",
+    ax.set(xscale="log", xlabel="training samples (ShareGPT first turns; answers: the target's own, then ShareGPT's)",
            ylabel="acceptance length (k = 3, greedy)", title="Draft acceptance vs data (offline estimate)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6.5, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(a.png, dpi=110)
+    fig.savefig(a.png, dpi=110, bbox_inches="tight")
     print(f"wrote {a.png}")
 
 
