@@ -9,6 +9,8 @@ eagle3.vocab, eagle3.train, eagle3.verify.offline); results are JSON lines, one 
     python bench/quality.py prompts --out .gpu/prompts.jsonl.gz          # tokenised ShareGPT prompts (CPU)
     python bench/quality.py generate-hf --prompts .gpu/prompts.jsonl.gz --split train --out GEN [--temperature 0.7]
     python bench/quality.py mtbench-hf --out MT                           # target's greedy MT-bench answers, 2 turns
+    python bench/quality.py answers --exclude GEN --exclude HELD --out ANS  # ShareGPT's own answers (no generation)
+    python bench/quality.py combine --src GEN --src ANS --out MIX         # regenerated first, then the answers
     python bench/quality.py run --train-gen GEN --eval mtbench=MT --eval heldout=HELD --work W \\
         --exp '{"name": "all", "samples": 0, "set": ["train.epochs=10"]}' ... --out results.jsonl
     python bench/quality.py plot results.jsonl docs/quality-scaling.png [--demo 1.23]
@@ -196,59 +198,27 @@ def cmd_mtbench_hf(a) -> None:
 
 
 def cmd_answers(a) -> None:
-    """ShareGPT's own answers as training data (fixed data, EAGLE-1 style): the first ``--turns``
-    assistant turns of each conversation that opens with a user turn, each as one sample (prompt =
-    the conversation so far through the chat template, completion = the answer's tokens + the
-    end-of-turn token). The loss never sees these tokens as labels: the draft is trained on the
-    target's own distribution at every position (extract), so other writers' text only changes
-    which contexts the target is read on. Prompts of ``--exclude`` folders and MT-bench are left out."""
-    from eagle3.generate.prompts import RowError, _key, mt_bench_keys, open_rows, row_messages, sample_id
+    """ShareGPT's own first answers as a generate folder: what ``extract.dataset_answers`` adds
+    (eagle3/extract/answers.py), here as a folder the bench can cut into subsets. Prompts of
+    ``--exclude`` folders (the regenerated and held-out sets) and MT-bench are left out. The
+    results of 2026-12-03 used commit 11c7542's version of this command (same examples, file order
+    shuffled with seed 0 instead of the library's seeded row order)."""
+    from collections import Counter
+
+    from eagle3.extract.answers import dataset_answer_examples
     from eagle3.generate.storage import iter_samples
 
-    cfg = _cfg()
-    tok = _tokenizer(cfg)
-    eot = tok.convert_tokens_to_ids("<|im_end|>")
-    drop = set(mt_bench_keys())
-    for d in a.exclude:
-        for s in iter_samples(Path(d)):
-            drop.add(_key(tok.decode(s["prompt_token_ids"]).split("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]))
-    rows, _ = open_rows(a.dataset)
-    samples, stats = [], {"conversations": 0, "skipped": 0, "excluded": 0, "too_long": 0}
-    for where, row, err in rows:
-        try:
-            if err:
-                raise RowError(err)
-            msgs = row_messages(row)
-        except RowError:
-            stats["skipped"] += 1
-            continue
-        if not msgs or msgs[0]["role"] != "user" or _key(msgs[0]["content"]) in drop:
-            stats["excluded" if msgs and msgs[0]["role"] == "user" else "skipped"] += 1
-            continue
-        stats["conversations"] += 1
-        turns = 0
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant" or not m["content"].strip() or msgs[i - 1]["role"] != "user":
-                continue
-            prompt = list(tok.apply_chat_template(msgs[:i], add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
-            comp = tok(m["content"], add_special_tokens=False)["input_ids"][: a.max_tokens] + [eot]
-            if len(prompt) + len(comp) > a.max_len:
-                stats["too_long"] += 1
-                break
-            samples.append({"id": sample_id(msgs[: i + 1]), "prompt_token_ids": prompt, "completion_token_ids": comp,
-                            "finish_reason": "stop", "token_ids_source": "sharegpt-answer"})
-            turns += 1
-            if turns >= a.turns:
-                break
-    import random
-
-    random.Random(0).shuffle(samples)
-    write_generate_folder(Path(a.out), samples, {"source": a.dataset, "turns": a.turns, "max_tokens": a.max_tokens,
-                                                 "fixed_answers": True})
-    print(json.dumps({**stats, "samples": len(samples),
-                      "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples),
-                      "tokens": sum(len(s["prompt_token_ids"]) + len(s["completion_token_ids"]) for s in samples)}))
+    cfg = _cfg([f"generate.dataset={a.dataset}", f"extract.dataset_answers={a.num}"])
+    skip = {s["id"] for d in a.exclude for s in iter_samples(Path(d))}
+    stats: Counter = Counter()
+    samples = []
+    for ex in dataset_answer_examples(cfg, _tokenizer(cfg), skip, stats):
+        p = ex.loss_mask.index(1)
+        samples.append({"id": ex.id, "prompt_token_ids": ex.input_ids[:p], "completion_token_ids": ex.input_ids[p:],
+                        "finish_reason": "stop", "token_ids_source": "dataset-answer"})
+    write_generate_folder(Path(a.out), samples, {"source": a.dataset, "dataset_answers": a.num})
+    print(json.dumps({"samples": len(samples), "rows_not_taken": dict(stats),
+                      "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples)}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,9 +471,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p = sub.add_parser("answers")
     p.add_argument("--dataset", default="embedded:sharegpt")
-    p.add_argument("--turns", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--num", type=int, default=100_000)
     p.add_argument("--exclude", action="append", default=[])
     p.add_argument("--out", required=True)
     p = sub.add_parser("run")

@@ -415,7 +415,9 @@ def config_keys(cfg: PipelineConfig, generate_data: str = "data") -> dict[str, s
     data = digest({"generate": keys["generate"], "samples": generate_data})
     keys["extract"] = stage_key(cfg, "extract", {"generate": data})
     # what tokens_key hashes: the same samples cut the same way
-    tokens = digest({"data": data, "max_seq_len": cfg.extract.max_seq_len, "truncation": cfg.extract.truncation})
+    answers = {"dataset_answers": cfg.extract.dataset_answers} if cfg.extract.dataset_answers else {}
+    tokens = digest({"data": data, "max_seq_len": cfg.extract.max_seq_len, "truncation": cfg.extract.truncation,
+                     **answers})
     keys["vocab"] = stage_key(cfg, "vocab", {"extract": tokens})
     keys["train"] = stage_key(cfg, "train", {"extract": keys["extract"], "vocab": keys["vocab"]})
     keys["verify"] = stage_key(cfg, "verify", {"train": keys["train"]})

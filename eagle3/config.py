@@ -209,6 +209,9 @@ class ExtractConfig(_Section):
     device: str = "auto"
     dtype: str = Field("auto", description="compute dtype: auto = bf16 on CUDA, float32 on CPU")
     vllm_concurrency: int = Field(8, gt=0, description="vllm backend: requests in flight")
+    dataset_answers: int = Field(0, ge=0, description="Also read the target on up to N conversations of "
+                                 "generate.dataset with the dataset's own first answer (no generation; the labels "
+                                 "stay the target's distribution). 0 = off. docs/train.md, 'Draft quality'.")
     reuse_previous: bool = Field(True, description="Copy the samples the latest extract with the same settings "
                                  "already stored (same id and tokens) instead of computing them again.")
 

@@ -38,30 +38,30 @@ def out_of_vocab(ids: list[int], vocab_size: int | None) -> int | None:
     return next((i for i in ids if not 0 <= int(i) < vocab_size), None)
 
 
+def fit_example(ex: Example, max_seq_len: int, truncation: str = "truncate",
+                vocab_size: int | None = None) -> Example | tuple[str, str]:
+    """The example cut to ``max_seq_len`` (``truncate``), or (id, reason) when it gives no training
+    position: too long under ``skip``, no loss token, or an id outside the target's vocabulary
+    (the model would index past its embedding)."""
+    bad = out_of_vocab(ex.input_ids, vocab_size)
+    if bad is not None:
+        return ex.id, f"token id {bad} outside the target's vocabulary (target.vocab_size {vocab_size})"
+    if not any(ex.loss_mask):
+        return ex.id, "no completion tokens"
+    n = len(ex.input_ids)
+    if n > max_seq_len:
+        if truncation == "skip":
+            return ex.id, f"{n} tokens > max_seq_len {max_seq_len}"
+        ex = Example(ex.id, ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len], truncated_from=n)
+        if not any(ex.loss_mask):
+            return ex.id, f"prompt alone fills max_seq_len {max_seq_len}"
+    return ex
+
+
 def iter_examples(generate_dir: Path, max_seq_len: int, truncation: str = "truncate",
                   skip: set[str] = frozenset(), vocab_size: int | None = None,
                   on_bad: Callable[[str, str], None] | None = None) -> Iterator[Example | tuple[str, str]]:
-    """Examples in storage order; over-long ones are cut (``truncate``) or given back as
-    (id, reason) (``skip``). Samples with no loss token, or with an id outside the target's
-    vocabulary (the model would index past its embedding), are given back as (id, reason)."""
+    """The generate folder's examples in storage order, through ``fit_example``."""
     for s in iter_samples(generate_dir, on_bad=on_bad):
-        if s["id"] in skip:
-            continue
-        ex = build_example(s)
-        bad = out_of_vocab(ex.input_ids, vocab_size)
-        if bad is not None:
-            yield ex.id, f"token id {bad} outside the target's vocabulary (target.vocab_size {vocab_size})"
-            continue
-        if not any(ex.loss_mask):
-            yield ex.id, "no completion tokens"
-            continue
-        n = len(ex.input_ids)
-        if n > max_seq_len:
-            if truncation == "skip":
-                yield ex.id, f"{n} tokens > max_seq_len {max_seq_len}"
-                continue
-            ex = Example(ex.id, ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len], truncated_from=n)
-            if not any(ex.loss_mask):
-                yield ex.id, f"prompt alone fills max_seq_len {max_seq_len}"
-                continue
-        yield ex
+        if s["id"] not in skip:
+            yield fit_example(build_example(s), max_seq_len, truncation, vocab_size)

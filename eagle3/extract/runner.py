@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -170,6 +171,21 @@ def _states(cfg: PipelineConfig, model_path: str, out_dir: Path,
         yield ex, hidden[:, : len(layers)].flatten(1), hidden[:, len(layers)]
 
 
+def _answer_examples(cfg: PipelineConfig, model_path: str, generate_dir: Path, done: set[str],
+                     stats: Counter) -> Iterator[Example | tuple[str, str]]:
+    """``extract.dataset_answers`` examples (eagle3/extract/answers.py), cut like generate's."""
+    from transformers import AutoTokenizer
+
+    from eagle3.extract.answers import dataset_answer_examples
+    from eagle3.extract.inputs import fit_example
+
+    tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or model_path, trust_remote_code=cfg.target.trust_remote_code)
+    generated = set(scan_samples(generate_dir).ids)
+    for ex in dataset_answer_examples(cfg, tok, generated, stats):
+        if ex.id not in done:
+            yield fit_example(ex, cfg.extract.max_seq_len, cfg.extract.truncation, cfg.target.vocab_size)
+
+
 def _manifest(cfg: PipelineConfig, generate_dir: Path, model_path: str, fingerprint: str | None, writer: ShardWriter,
               out_dir: Path, this_run: dict[str, Any]) -> dict[str, Any]:
     e = cfg.extract
@@ -217,9 +233,16 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     for where, reason in unreadable:
         record_error(None, f"{where}: {reason}", where)
 
+    answer_stats: Counter = Counter()
+    total += e.dataset_answers
+
     def examples() -> Iterator[Example]:
-        for item in iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids,
-                                  vocab_size=cfg.target.vocab_size, on_bad=lambda *_: None):
+        items = iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids,
+                              vocab_size=cfg.target.vocab_size, on_bad=lambda *_: None)
+        if e.dataset_answers:
+            items = itertools.chain(items, _answer_examples(cfg, model_path, generate_dir, writer.done_ids,
+                                                            answer_stats))
+        for item in items:
             if isinstance(item, tuple):
                 record_error(*item)
                 counts["skipped"] += 1
@@ -269,6 +292,7 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
                        f"reasons are in {out_dir / 'errors.jsonl'}. Fix the generate output, then rerun extract")
     manifest = _manifest(cfg, generate_dir, model_path, fingerprint, writer, out_dir,
                          {"resumed_from": resumed_from, **counts, "wall_s": round(time.time() - started, 2),
+                          **({"dataset_answers": {"rows_not_taken": dict(answer_stats)}} if e.dataset_answers else {}),
                           "reuse": {"from": str(reuse.folder) if reuse.folder else None, "why_not": reuse.reason},
                           "tokens_per_s": round(computed_tokens / max(time.time() - started, 1e-9), 1)})
     write_json_atomic(out_dir / "manifest.json", manifest)
