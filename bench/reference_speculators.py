@@ -1,6 +1,6 @@
 """The REFERENCE trainer on OUR data: vllm-project/speculators' EAGLE-3 draft, trained by its own
 trainer on one of our extract folders, written in our vLLM format so that ``eagle3.verify.offline``
-(and vLLM) score it exactly like a draft of ``eagle3/train.py`` (issue 14, item 3).
+(and vLLM) score it exactly like a draft of ``eagle3/train/`` (issue 14, item 3).
 
 Bench only: it runs in ``.venv-ref`` here (``bench/reference/setup_env.sh``: CPU torch 2.13.0,
 speculators 0.9.0, transformers 5.17.0) or on the GPU machine with the wheels of
@@ -11,7 +11,7 @@ Three steps (``all`` runs them in one process; each also runs alone)::
     convert  extract folder + vocab file  ->  OUT/data: speculators' training data format
     train    speculators.train.cli.main (its TrainConfig, data loader, Eagle3DraftModel, Trainer)
              -> OUT/checkpoints/<epoch>/ (its checkpoint: the speculators format)
-    export   last checkpoint -> OUT/vllm-draft (eagle3.export.export_vllm), checked against it
+    export   last checkpoint -> OUT/vllm-draft (eagle3.draft.export.export_vllm), checked against it
 
 GPU command (one call from the repo root, device tool with ``carry: [".whl"]``; the H200 image has
 torch 2.11, transformers 5.17, triton, pyarrow, ...; the wheels add speculators 0.9.0 and what it
@@ -55,7 +55,7 @@ Samples are packed into rows of ``--total-seq-len`` tokens (document-masked), on
 
 Architecture: the draft built here has our draft's shape (the target's hidden, heads, KV heads,
 head_dim, intermediate size, RoPE; one layer; draft vocab from our vocab file; aux layers from the
-extract's manifest). speculators' eagle3 DEFAULTS add two things our model (``eagle3/model.py``)
+extract's manifest). speculators' eagle3 DEFAULTS add two things our model (``eagle3/draft/llama.py``)
 does not have, so they are turned off here by default (``--arch eagle3``): ``norm_before_fc`` (an
 RMSNorm over the concatenated 3H aux states before ``fc``) and ``norm_output`` (the NEXT TTT step,
 and vLLM's next draft step, gets the post-norm hidden state). ``--arch eagle31`` keeps them
@@ -66,10 +66,10 @@ attention (``--full-attention-indices 0``; speculators' default is a 2048-token 
 the same thing for samples shorter than 2048). ``norm_before_residual`` follows speculators'
 default (True: the residual is the normed hidden state); ``--no-norm-before-residual`` gives ours.
 
-speculators' default recipe (0.9.0, ``train/config/schema.py``) and ours (``eagle3/train.py``):
+speculators' default recipe (0.9.0, ``train/config/schema.py``) and ours (``eagle3/train/``):
 
 ==========================  ==========================================  ==================================
-                            speculators 0.9.0 (defaults used here)      eagle3/train.py (TrainConfig)
+                            speculators 0.9.0 (defaults used here)      eagle3/train/ (TrainConfig)
 ==========================  ==========================================  ==================================
 loss                        KL(target || draft) over the draft vocab    soft CE against the same
                             (same gradient as soft CE)                  distribution (renormalised)
@@ -382,7 +382,8 @@ def to_eagle3_draft(ckpt: Path, target: Path, vocab_path: Path, aux_layers: list
     import torch
     from safetensors.torch import load_file
 
-    from eagle3.model import DraftConfig, Eagle3Draft, load_target_tensor, EMBED_NAMES
+    from eagle3.draft import DraftConfig, Eagle3Draft
+    from eagle3.target_checkpoint import EMBED_NAMES, load_target_tensor
     from eagle3.vocab import load_vocab
 
     conf = json.loads((ckpt / "config.json").read_text())
@@ -390,7 +391,7 @@ def to_eagle3_draft(ckpt: Path, target: Path, vocab_path: Path, aux_layers: list
         raise SystemExit(f"{ckpt}: not an eagle3 speculators checkpoint")
     extra = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if conf.get(f)]
     if extra:
-        raise SystemExit(f"{ckpt}: trained with {extra} (speculators' eagle3 defaults), which eagle3/model.py does "
+        raise SystemExit(f"{ckpt}: trained with {extra} (speculators' eagle3 defaults), which eagle3/draft/llama.py does "
                          "not implement, so eagle3.verify.offline cannot score it; vLLM 0.32 serves the speculators "
                          f"checkpoint itself ({ckpt}). Train with --arch eagle3 for a draft both evaluations read.")
     tl = conf["transformer_layer_config"]
@@ -439,7 +440,7 @@ def to_eagle3_draft(ckpt: Path, target: Path, vocab_path: Path, aux_layers: list
 
 
 def export(a: argparse.Namespace, aux_layers: list[int]) -> dict[str, Any]:
-    from eagle3.export import export_vllm, load_exported
+    from eagle3.draft.export import export_vllm, load_exported
 
     ckpt = last_checkpoint(a.out / "checkpoints")
     out = a.out / "vllm-draft"
@@ -448,7 +449,7 @@ def export(a: argparse.Namespace, aux_layers: list[int]) -> dict[str, Any]:
     if extra:  # --arch eagle31: nothing our format holds; the speculators checkpoint is the result
         if out.exists():
             shutil.rmtree(out)
-        msg = (f"not exported: trained with {extra}, which eagle3/model.py does not implement (so "
+        msg = (f"not exported: trained with {extra}, which eagle3/draft/llama.py does not implement (so "
                f"eagle3.verify.offline cannot score it); vLLM 0.32 serves the speculators checkpoint {ckpt} itself")
         print("export: " + msg, flush=True)
         return {"checkpoint": str(ckpt), "vllm_draft": None, "skipped": msg}
@@ -472,7 +473,7 @@ def check_equivalence(ckpt: Path, draft_dir: Path, target: Path, extract: Path, 
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from eagle3.export import load_exported
+    from eagle3.draft.export import load_exported
     from eagle3.extract.storage import HiddenStateDataset
 
     config = Eagle3DraftModel.config_class.from_pretrained(str(ckpt))

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu import matmul_rate, sync  # noqa: E402
 from eagle3.extract.storage import Sample  # noqa: E402
-from eagle3.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagle3.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.train import (TargetHead, hold_frozen_bf16, init_distributed, make_batch, make_optimizer,  # noqa: E402
                           train_step, wrap_for_training)
 
@@ -96,7 +96,7 @@ def main() -> None:
     ttt = args.ttt or (7 if args.kimi else 3)
     steps = args.steps or (10 if args.kimi else 5)
     if args.arch == "mla":
-        from eagle3.model_mla import Eagle3MLADraft, MLADraftConfig
+        from eagle3.draft import Eagle3MLADraft, MLADraftConfig
 
         if args.kimi:
             cfg = MLADraftConfig.from_target(ROOT / "configs/targets/moonshotai--Kimi-K2.5.json", 32000, [2, 30, 58])

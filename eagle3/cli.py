@@ -380,7 +380,7 @@ def train(
                        f"loss {loss} top1/step {top1}")
 
     try:
-        target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)  # a hub id: see eagle3.model.checkpoint_dir
+        target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)  # a hub id: see eagle3.target_checkpoint.checkpoint_dir
         with units_restored(cfg):
             m = run_train(cfg, extract_dir, vocab_file, target_dir, out, on_progress=progress)
     except (EmbeddedModelError, TrainingDiverged, ValueError, KeyError, FileNotFoundError, GPUsBusy) as e:

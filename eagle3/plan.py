@@ -102,15 +102,15 @@ def _human(n: int) -> str:
 
 def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
     """The draft train would build: architecture, resolved config, every weight's shape, parameter counts."""
-    from eagle3.export import MLA_ARCHITECTURE, expected_shapes
-    from eagle3.model import DraftConfig
-    from eagle3.model_mla import MLADraftConfig
+    from eagle3.draft import draft_arch
+    from eagle3.draft.export import expected_shapes
 
     arch = cfg.draft_arch
+    spec = draft_arch(arch)
     tc = cfg.train
     out: dict[str, Any] = {
         "arch": f"{arch} (train.draft_arch: {tc.draft_arch})",
-        "vllm_architecture": MLA_ARCHITECTURE if arch == "mla" else "LlamaForCausalLMEagle3",
+        "vllm_architecture": spec.vllm_architecture,
     }
     target_conf, source = target_config_for_plan(cfg, model)
     out["target_config"] = source
@@ -121,8 +121,7 @@ def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
                                    "num_key_value_heads": tc.draft_num_key_value_heads,
                                    "intermediate_size": tc.draft_intermediate_size}.items() if v is not None}
     try:
-        cls = MLADraftConfig if arch == "mla" else DraftConfig
-        dcfg = cls.from_target(target_conf, cfg.vocab.draft_vocab_size, cfg.aux_layers, **overrides)
+        dcfg = spec.config_cls.from_target(target_conf, cfg.vocab.draft_vocab_size, cfg.aux_layers, **overrides)
     except (TypeError, ValueError, KeyError) as e:
         out["error"] = f"cannot size the draft: {e}"
         return out

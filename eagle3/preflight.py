@@ -80,7 +80,7 @@ def _target(cfg: PipelineConfig) -> Check:
             return Check("target", "ok", f"{t.model}: {path} ({note})")
         except EmbeddedModelError as e:
             return Check("target", "fail", f"{t.model}: {e}")
-    from eagle3.model import checkpoint_dir
+    from eagle3.target_checkpoint import checkpoint_dir
 
     try:
         path = checkpoint_dir(t.model)

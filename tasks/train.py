@@ -36,7 +36,7 @@ def train_task(cfg: PipelineConfig, out_dir: str, extract_dir: str, vocab_path: 
 
     t0 = time.monotonic()
     if cfg.train.nproc_per_node > 1:  # one rank per GPU under torchrun; rank 0 writes the manifest
-        from eagle3.launch import torchrun_train
+        from eagle3.train.launch import torchrun_train
 
         m = torchrun_train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir),
                            cfg.train.nproc_per_node, log=logger.info)

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model (eagle3.model) and its vLLM exports (eagle3.export).
+"""The Llama EAGLE-3 draft (eagle3.draft.llama) and its vLLM exports (eagle3.draft.export).
 
 The vllm-marked test serves a RANDOM-weight draft for SmolLM2 (speculators format) with the real
 vLLM CPU server and checks that speculative decoding actually ran (spec-decode counters on /metrics).
@@ -15,21 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.export import (
+from eagle3.draft.export import (
     VLLM_WEIGHT_NAMES,
     expected_shapes,
     export_speculators,
     export_vllm,
     load_exported,
 )
-from eagle3.model import (
-    DraftConfig,
-    Eagle3Draft,
-    build_draft,
-    load_target_embeddings,
-    load_target_tensor,
-    rope_inv_freq,
-)
+from eagle3.draft import DraftConfig, Eagle3Draft, build_draft
+from eagle3.draft.llama import rope_inv_freq
+from eagle3.target_checkpoint import load_target_embeddings, load_target_tensor
 from eagle3.vocab import build_vocab, draft_to_target
 from tests.conftest import CPU_PROFILE, require_vllm
 
@@ -419,7 +414,7 @@ def test_checkpoint_dir_finds_a_hub_id_in_the_local_cache_and_never_downloads(tm
     """Production profiles name the target by hub id (vLLM downloads it); train needs its files."""
     from huggingface_hub import constants
 
-    from eagle3.model import checkpoint_dir
+    from eagle3.target_checkpoint import checkpoint_dir
 
     assert checkpoint_dir(smol_model) == Path(smol_model)
     cache = tmp_path / "hub"

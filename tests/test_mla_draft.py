@@ -1,4 +1,4 @@
-"""The MLA draft (eagle3.model_mla): vLLM's Eagle3DeepseekV2ForCausalLM in PyTorch, its export, training
+"""The MLA draft (eagle3.draft.mla): vLLM's Eagle3DeepseekV2ForCausalLM in PyTorch, its export, training
 through the unchanged TTT loop, and the real vLLM CPU server serving it.
 
 The vllm-marked tests start ONE server (module fixture): the tiny random DeepSeek-V3 target of
@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.export import (MLA_ARCHITECTURE, expected_shapes, export_speculators, export_vllm, load_exported,
+from eagle3.draft.export import (MLA_ARCHITECTURE, expected_shapes, export_speculators, export_vllm, load_exported,
                            vllm_config_dict)
-from eagle3.model import build_draft
-from eagle3.model_mla import (Eagle3MLADraft, MLADraftConfig, apply_rope_interleaved, mla_rope, mla_weight_shapes,
+from eagle3.draft import build_draft
+from eagle3.draft.mla import (Eagle3MLADraft, MLADraftConfig, apply_rope_interleaved, mla_rope, mla_weight_shapes,
                               yarn_get_mscale)
 from eagle3.vocab import build_vocab
 from tests.conftest import ROOT, require_vllm
@@ -533,7 +533,7 @@ def test_vllm_draft_computes_what_the_pytorch_draft_computes(served):
             errors[f"decode step {step} logits"] = rel(l_[0], vllm_logits)
             ties.append(_near_tie(l_[0, -1], vllm_logits[0]))
         # negative control: the same replay with rotate-half (neox) RoPE is far off
-        import eagle3.model_mla as mm
+        import eagle3.draft.mla as mm
 
         orig = mm._rotate_gptj
         mm._rotate_gptj = lambda x: torch.cat([-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], -1)

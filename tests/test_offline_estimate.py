@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.verify.offline import chain_accepts, chains_of_sequence, summarize_chains, walk_chains
 
 

@@ -153,7 +153,7 @@ def test_ttt_unroll_matches_per_position_reference(setup):
     """Step i at position t == one query at RoPE position t+i over step-0 keys 0..t, then its own
     chain (steps 1..i-1 at t), computed one token at a time with a plain causal KV prefix."""
     _, target, _, _, vocab = setup
-    from eagle3.model import build_draft
+    from eagle3.draft import build_draft
     from eagle3.train import ttt_unroll
     from eagle3.vocab import load_vocab
 
@@ -223,7 +223,7 @@ def test_exact_resume(setup):
 
 def test_export_loads_back(setup):
     tmp, target, _, ext, vocab = setup
-    from eagle3.export import load_exported
+    from eagle3.draft.export import load_exported
     from eagle3.vocab import load_vocab
 
     out = tmp / "run-export"
@@ -265,7 +265,7 @@ def test_trained_draft_export(trained_draft):
 def test_head_from_target_frozen_and_noise(setup):
     """train.head_init=target starts lm_head as the target's rows of the draft vocab and the final norm
     as the target's; train.freeze_head keeps both there; feature noise still trains (finite loss)."""
-    from eagle3.export import load_exported
+    from eagle3.draft.export import load_exported
     from eagle3.vocab import load_vocab
 
     tmp, target, embed, ext, vocab = setup

@@ -142,7 +142,7 @@ def test_accumulated_step_is_one_big_batch(data):
     import contextlib
 
     from eagle3.extract.storage import HiddenStateDataset
-    from eagle3.model import build_draft
+    from eagle3.draft import build_draft
     from eagle3.train import Dist, load_target_head, make_batch, train_step, ttt_loss, wrap_for_training
     from eagle3.vocab import load_vocab
     from tests.test_train import DRAFT_V
@@ -248,9 +248,9 @@ def test_cli_under_torchrun(runs):
 
 
 def test_launcher_runs_torchrun_for_the_hero_run(runs):
-    """train.nproc_per_node > 1: the Prefect task's launcher (eagle3.launch) starts torchrun itself
+    """train.nproc_per_node > 1: the Prefect task's launcher (eagle3.train.launch) starts torchrun itself
     and returns rank 0's manifest; same draft as the DDP run above."""
-    from eagle3.launch import torchrun_train
+    from eagle3.train.launch import torchrun_train
 
     tmp, _, _ = runs
     target, ext, vocab = paths(tmp)

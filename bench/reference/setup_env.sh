@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bench-only environment for the REFERENCE trainer (vllm-project/speculators), never used by the
 # pipeline: `.venv-ref` next to `.venv`. It exists to train speculators' EAGLE-3 draft on our own
-# extracted hidden states (bench/reference_speculators.py) and compare it with eagle3/train.py.
+# extracted hidden states (bench/reference_speculators.py) and compare it with eagle3/train/.
 #
 #   bench/reference/setup_env.sh            # creates .venv-ref (about 1.5 GB), prints the versions
 #   PYTHON=python3.12 bench/reference/setup_env.sh

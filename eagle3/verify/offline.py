@@ -129,7 +129,7 @@ def load_draft_for_eval(draft_dir: str | Path, target_dir: str | Path, device: s
                         ) -> tuple[Any, torch.Tensor]:
     """(the exported draft in float32 with the target's embedding, eval mode on ``device``;
     the draft-index -> target-id map [D])."""
-    from eagle3.export import load_exported
+    from eagle3.draft.export import load_exported
 
     draft, d2t, _ = load_exported(draft_dir, dtype=torch.float32)
     draft.load_embeddings(target_dir)
@@ -151,7 +151,7 @@ def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences:
     baseline simulated on the same sequences (:func:`eagle3.verify.ngram.simulate_ngram`); None: skip."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3.model import checkpoint_dir
+    from eagle3.target_checkpoint import checkpoint_dir
     from eagle3.verify.ngram import simulate_ngram
 
     target_dir = checkpoint_dir(target_dir)

@@ -1,4 +1,4 @@
-"""Write a trained :class:`~eagle3.model.Eagle3Draft` as a checkpoint vLLM serves.
+"""Write a trained draft (:mod:`eagle3.draft`) as a checkpoint vLLM serves.
 
 Two formats, both read by vLLM 0.32's ``Eagle3LlamaForCausalLM`` (llama_eagle3.py):
 
@@ -36,7 +36,7 @@ What vLLM 0.32 does with these (read from its source):
   therefore also put inside ``transformer_layer_config`` so the draft's ``fc`` width follows
   the number of aux layers (vLLM otherwise assumes 3).
 
-MLA drafts (:class:`eagle3.model_mla.Eagle3MLADraft`, for DeepSeek/Kimi-family targets)
+MLA drafts (:class:`eagle3.draft.mla.Eagle3MLADraft`, for DeepSeek/Kimi-family targets)
     ``export_vllm`` writes them as vLLM's ``Eagle3DeepseekV2ForCausalLM`` (deepseek_eagle3.py):
     ``architectures: ["Eagle3DeepseekV2ForCausalLM"]``, ``model_type: "deepseek_v2"`` (a
     ``deepseek_v3`` model_type is rewritten by vLLM into its MTP drafter), the MLA fields
@@ -49,6 +49,9 @@ MLA drafts (:class:`eagle3.model_mla.Eagle3MLADraft`, for DeepSeek/Kimi-family t
     ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``, which only exists with a ``q_lora_rank``: a
     draft without one cannot be loaded there, so the export refuses it. The speculators format has
     no MLA layer config: ``export_speculators`` refuses MLA drafts.
+
+What differs between the architectures (vLLM architecture name, layer fields, weight shapes,
+what vLLM can load) comes from their entries in :mod:`eagle3.draft.registry`.
 
 Files appear atomically: written into a temporary sibling folder, then renamed into place, so a
 killed export never leaves a half-written draft that a later stage would serve.
@@ -66,11 +69,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.model_mla import Eagle3MLADraft, MLADraftConfig, mla_weight_shapes
+from eagle3.draft.common import DraftModel, dtype_name
+from eagle3.draft.llama import DraftConfig, llama_fields
+from eagle3.draft.registry import DRAFTS, arch_of, arch_of_export
 
 #: vLLM's architecture name for the MLA draft (deepseek_eagle3.py; Eagle3DeepseekV3ForCausalLM is an alias).
-MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+MLA_ARCHITECTURE = DRAFTS["mla"].vllm_architecture
 
 #: The weight names vLLM 0.32's Eagle3LlamaForCausalLM.load_weights accepts for a 1-layer Llama
 #: draft (checkpoint names, before its ``midlayer.`` -> ``layers.0.`` and q/k/v, gate/up
@@ -94,120 +98,22 @@ VLLM_WEIGHT_NAMES = (
 )
 
 
-def expected_shapes(cfg: DraftConfig | MLADraftConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape vLLM allocates for it (llama_eagle3.py + LlamaAttention/LlamaMLP;
     for an MLA config deepseek_eagle3.py + DeepseekV2MLAAttention/DeepseekV2MLP)."""
-    if isinstance(cfg, MLADraftConfig):
-        return {**mla_weight_shapes(cfg), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    return {
-        "fc.weight": (h, cfg.fc_input_size),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "midlayer.mlp.gate_proj.weight": (cfg.intermediate_size, h),
-        "midlayer.mlp.up_proj.weight": (cfg.intermediate_size, h),
-        "midlayer.mlp.down_proj.weight": (h, cfg.intermediate_size),
-        "norm.weight": (h,),
-        "lm_head.weight": (cfg.draft_vocab_size, h),
-        "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
-    }
+    return {**arch_of(cfg).weight_shapes(cfg), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def llama_fields(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The Llama layer config both formats carry (transformers 4.x and 5.x RoPE spellings)."""
-    rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling:
-        rope_parameters = {**cfg.rope_scaling, "rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    out: dict[str, Any] = {
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": rope_parameters,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "num_hidden_layers": 1,
-        "vocab_size": cfg.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": cfg.initializer_range,
-        "torch_dtype": _dtype_name(dtype),  # transformers 4.x spelling
-        "dtype": _dtype_name(dtype),  # transformers 5.x spelling
-    }
-    if cfg.rope_scaling:
-        out["rope_scaling"] = {**cfg.rope_scaling, "rope_type": cfg.rope_type}
-    return out
-
-
-def _eagle_config(cfg: DraftConfig) -> dict[str, Any]:
+def _eagle_config(cfg: Any) -> dict[str, Any]:
     return {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True}
 
 
-def mla_fields(cfg: MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The DeepSeek-V2 layer config of an MLA draft (what transformers' DeepseekV2Config and
-    vLLM's DeepseekV2MLAAttention read)."""
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling:
-        rope_parameters = {**cfg.rope_scaling, "rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    out: dict[str, Any] = {
-        "model_type": "deepseek_v2",  # not deepseek_v3: vLLM turns that into its MTP drafter
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_attention_heads,
-        "q_lora_rank": cfg.q_lora_rank,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": rope_parameters,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "num_hidden_layers": 1,
-        "first_k_dense_replace": 1,  # informational: the draft layer is dense (vLLM always builds an MLP)
-        "vocab_size": cfg.vocab_size,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": cfg.initializer_range,
-        "torch_dtype": _dtype_name(dtype),
-        "dtype": _dtype_name(dtype),
-    }
-    if cfg.rope_scaling:
-        out["rope_scaling"] = {**cfg.rope_scaling, "rope_type": cfg.rope_type}
-    return out
-
-
-def vllm_config_dict(cfg: DraftConfig | MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    if isinstance(cfg, MLADraftConfig):
-        return {
-            "architectures": [MLA_ARCHITECTURE],
-            **mla_fields(cfg, dtype),
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "target_hidden_size": cfg.target_hidden_size,
-            "norm_before_residual": cfg.norm_before_residual,
-            "eagle_config": _eagle_config(cfg),
-        }
+def vllm_config_dict(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The export's ``config.json``: vLLM's architecture name, the layer fields, the EAGLE-3 fields."""
+    arch = arch_of(cfg)
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **llama_fields(cfg, dtype),
+        "architectures": [arch.vllm_architecture],
+        **arch.vllm_fields(cfg, dtype),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
@@ -216,7 +122,7 @@ def vllm_config_dict(cfg: DraftConfig | MLADraftConfig, dtype: torch.dtype = tor
 
 
 def draft_tensors(
-    model: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+    model: DraftModel, d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, torch.Tensor]:
     """Checkpoint tensors in vLLM-format names (``midlayer.*``), checked against the config."""
     cfg = model.config
@@ -274,9 +180,21 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def _write_export(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                  metadata: dict[str, Any] | None) -> Path:
+    """``model.safetensors`` (``metadata`` in its header) + ``config.json``, atomically."""
+    header = {"format": "pt", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata=header)
+        _write_json(tmp / "config.json", config)
+
+    return _atomic_dir(out_dir, write)
+
+
 def export_vllm(
-    model: Eagle3Draft,
-    cfg: DraftConfig | None,
+    model: DraftModel,
+    cfg: Any | None,
     d2t: torch.Tensor,
     t2d: torch.Tensor,
     out_dir: str | Path,
@@ -290,18 +208,10 @@ def export_vllm(
     ``metadata`` (str -> JSON-able) goes into the safetensors header, e.g. training provenance.
     """
     cfg = _check_cfg(model, cfg)
-    if isinstance(cfg, MLADraftConfig) and cfg.q_lora_rank is None:
-        raise ValueError("an MLA draft without q_lora_rank cannot be loaded by vLLM 0.32 (its loader stacks "
-                         "kv_a_proj_with_mqa into fused_qkv_a_proj, which exists only with a q_lora_rank)")
+    arch_of(cfg).check_export(cfg)
     tensors = draft_tensors(model, d2t, t2d, dtype)
     config = vllm_config_dict(cfg, dtype)
-    header = {"format": "pt", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}}
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata=header)
-        _write_json(tmp / "config.json", config)
-
-    return _atomic_dir(Path(out_dir), write)
+    return _write_export(Path(out_dir), tensors, config, metadata)
 
 
 def speculators_config_dict(
@@ -339,12 +249,12 @@ def speculators_config_dict(
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": False,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        "torch_dtype": _dtype_name(dtype),
+        "torch_dtype": dtype_name(dtype),
     }
 
 
 def export_speculators(
-    model: Eagle3Draft,
+    model: DraftModel,
     cfg: DraftConfig | None,
     d2t: torch.Tensor,
     t2d: torch.Tensor,
@@ -362,7 +272,7 @@ def export_speculators(
     out_dir`` loads it from there.
     """
     cfg = _check_cfg(model, cfg)
-    if isinstance(cfg, MLADraftConfig):
+    if not arch_of(cfg).speculators_format:
         raise ValueError("the speculators format describes Llama layers only: export an MLA draft with export_vllm")
     tensors = {
         ("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
@@ -370,16 +280,10 @@ def export_speculators(
     }
     config = speculators_config_dict(cfg, verifier, num_speculative_tokens=num_speculative_tokens,
                                      verifier_architectures=verifier_architectures, dtype=dtype)
-    header = {"format": "pt", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}}
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata=header)
-        _write_json(tmp / "config.json", config)
-
-    return _atomic_dir(Path(out_dir), write)
+    return _write_export(Path(out_dir), tensors, config, metadata)
 
 
-def _check_cfg(model: Eagle3Draft, cfg: DraftConfig | MLADraftConfig | None) -> DraftConfig | MLADraftConfig:
+def _check_cfg(model: DraftModel, cfg: Any | None) -> Any:
     if cfg is None:
         return model.config
     if type(cfg) is not type(model.config) or cfg.to_dict() != model.config.to_dict():
@@ -387,36 +291,24 @@ def _check_cfg(model: Eagle3Draft, cfg: DraftConfig | MLADraftConfig | None) -> 
     return cfg
 
 
-def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[Eagle3Draft, torch.Tensor | None, torch.Tensor]:
-    """Read a vLLM-format or speculators-format export back into an Eagle3Draft, or an MLA export
-    into an Eagle3MLADraft (embedding left at its init: load it with
+def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[DraftModel, torch.Tensor | None, torch.Tensor]:
+    """Read a vLLM-format or speculators-format export back into its draft class (an Eagle3Draft,
+    or an Eagle3MLADraft for an MLA export; embedding left at its init: load it with
     ``model.load_embeddings(target_dir)``). Returns (model, d2t, t2d)."""
     path = Path(path)
     conf = json.loads((path / "config.json").read_text())
-    if MLA_ARCHITECTURE in (conf.get("architectures") or []) or "Eagle3DeepseekV3ForCausalLM" in (
-            conf.get("architectures") or []):
-        mcfg = MLADraftConfig.from_target(conf, int(conf["draft_vocab_size"]),
-                                          conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-                                          target_hidden_size=int(conf["target_hidden_size"]),
-                                          q_lora_rank=conf.get("q_lora_rank"),
-                                          norm_before_residual=bool(conf.get("norm_before_residual", False)),
-                                          initializer_range=float(conf.get("initializer_range", 0.02)))
-        return _load_tensors(path, Eagle3MLADraft(mcfg).to(dtype), dtype)
-    if "speculators_config" in conf:
+    arch = arch_of_export(conf.get("architectures") or [])
+    if "speculators_config" in conf and arch.speculators_format:  # unwrap to the vLLM format's fields
         layer = conf["transformer_layer_config"]
         aux = conf.get("eagle_aux_hidden_state_layer_ids") or layer["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        base = {**layer, "draft_vocab_size": conf["draft_vocab_size"],
+        conf = {**layer, "draft_vocab_size": conf["draft_vocab_size"],
                 "target_hidden_size": conf.get("target_hidden_size") or layer["hidden_size"],
-                "norm_before_residual": conf.get("norm_before_residual", True)}
-    else:
-        base, aux = conf, conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    cfg = DraftConfig.from_target(base, int(base["draft_vocab_size"]), aux,
-                                  target_hidden_size=int(base["target_hidden_size"]),
-                                  norm_before_residual=bool(base.get("norm_before_residual", False)))
-    return _load_tensors(path, Eagle3Draft(cfg).to(dtype), dtype)
+                "norm_before_residual": conf.get("norm_before_residual", True),
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}
+    return _load_tensors(path, arch.module_cls(arch.config_from_export(conf)).to(dtype), dtype)
 
 
-def _load_tensors(path: Path, model: Eagle3Draft, dtype: torch.dtype) -> tuple[Eagle3Draft, torch.Tensor | None, torch.Tensor]:
+def _load_tensors(path: Path, model: DraftModel, dtype: torch.dtype) -> tuple[DraftModel, torch.Tensor | None, torch.Tensor]:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path / "model.safetensors"))
@@ -438,7 +330,6 @@ __all__ = [
     "export_speculators",
     "export_vllm",
     "load_exported",
-    "mla_fields",
     "speculators_config_dict",
     "vllm_config_dict",
 ]

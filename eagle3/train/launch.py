@@ -1,9 +1,10 @@
 """Run the train stage on several local processes (torchrun) from a single-process caller.
 
-The Prefect task and ``eagle3 train --launch`` call :func:`torchrun_train` when
-``train.nproc_per_node`` > 1: it writes the resolved profile next to the output, starts
-``torchrun --standalone --nproc-per-node N -m eagle3.launch ...`` (one rank per GPU; gloo on CPU),
-streams the ranks' output to ``out_dir/torchrun.log`` and returns the manifest rank 0 wrote.
+The Prefect task calls :func:`torchrun_train` when ``train.nproc_per_node`` > 1 (the ``eagle3 train``
+command does not: run it under torchrun yourself, docs/train.md). It writes the resolved profile next
+to the output, starts ``torchrun --standalone --nproc-per-node N -m eagle3.train.launch ...`` (one
+rank per GPU; gloo on CPU), streams the ranks' output to ``out_dir/torchrun.log`` and returns the
+manifest rank 0 wrote.
 A retry is a resume: the ranks load ``out_dir/checkpoints/latest`` as a single process would.
 """
 
@@ -32,7 +33,7 @@ def torchrun_train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Pa
     cfg_path = out_dir / "launch-config.json"
     write_json_atomic(cfg_path, cfg.model_dump(mode="json"))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "eagle3.launch", str(cfg_path), str(extract_dir), str(vocab_path), str(target_dir), str(out_dir)]
+            "-m", "eagle3.train.launch", str(cfg_path), str(extract_dir), str(vocab_path), str(target_dir), str(out_dir)]
     log_path = out_dir / "torchrun.log"
     log(f"train: {' '.join(argv[2:6])} ... (log {log_path})")
     with open(log_path, "ab") as f:

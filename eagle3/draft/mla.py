@@ -4,7 +4,7 @@ Plain PyTorch, weight-for-weight compatible with vLLM's ``Eagle3DeepseekV2ForCau
 (``vllm/model_executor/models/deepseek_eagle3.py``, which builds ``DeepseekV2MLAAttention`` with
 ``input_size = 2 * hidden_size`` and a ``DeepseekV2MLP``; checked against vLLM 0.32.0). This is the
 draft vLLM's Kimi-K2.5 recipe serves; on vLLM CPU it is also the only EAGLE-3 draft an MLA target
-accepts (REFERENCE.md §5b). Checkpoint names (see :mod:`eagle3.export`)::
+accepts (docs/train.md, "Draft architectures"). Checkpoint names (:func:`mla_weight_shapes`)::
 
     embed_tokens.weight                          [V, H]       frozen, copied from the target (not exported)
     fc.weight                                    [H, A*Ht]
@@ -26,8 +26,8 @@ accepts (REFERENCE.md §5b). Checkpoint names (see :mod:`eagle3.export`)::
 (n heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, Rkv = kv_lora_rank.)
 
 The layer is vLLM's ``DeepseekV2Eagle3DecoderLayer`` with ``layer_idx == 0``, step for step; the
-residual handling, the embeds-first concatenation and the final norm are the same as in the
-Llama draft (:mod:`eagle3.model`), only the attention differs. The attention is vLLM's
+residual handling, the embeds-first concatenation and the final norm are the shared ones
+(:mod:`eagle3.draft.common`), only the attention differs. The attention is vLLM's
 ``MultiHeadLatentAttentionWrapper`` (``vllm/model_executor/layers/mla.py``) written out
 unabsorbed (the same maths as its prefill path and as transformers' ``DeepseekV3Attention``)::
 
@@ -47,10 +47,9 @@ Kimi-K2.5, f = 64 and mscale_all_dim = 1, m^2 = 2.005). A scaling dict with
 ``attention_factor == 1.0`` is vLLM's ``deepseek_llama_scaling``: the same frequencies but no
 softmax factor. Only "default" and YaRN-style scaling are accepted here.
 
-Forward interface, attention masks and KV prefixes are those of :class:`eagle3.model.Eagle3Draft`
-(this class subclasses it), so the trainer's TTT unroll runs unchanged. The KV prefix holds the
-expanded per-head keys and values: ``past_kv = (k [B, n, S, dn + dr] (RoPE applied),
-v [B, n, S, dv])``.
+Forward interface, attention masks and KV prefixes are the shared draft's, so the trainer's TTT
+unroll runs unchanged. The KV prefix holds the expanded per-head keys and values:
+``past_kv = (k [B, n, S, dn + dr] (RoPE applied), v [B, n, S, dv])``.
 """
 
 from __future__ import annotations
@@ -64,7 +63,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.model import MLP, ConfigMethods, Eagle3Draft, KVCache, MidLayer, RMSNorm, _read_config, _rope_from_config, attend
+from eagle3.draft.common import (ConfigMethods, DraftModel, KVCache, RMSNorm, attend, check_common_fields, dtype_name,
+                                 read_config, rope_from_config, text_config)
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -100,18 +100,8 @@ class MLADraftConfig(ConfigMethods):
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False  # the target's (informational)
 
-    arch = "mla"  # class attribute (not a field): what build_draft / export dispatch on
-
     def __post_init__(self) -> None:
-        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        if not self.aux_layer_ids:
-            raise ValueError("aux_layer_ids must not be empty")
-        if len(set(self.aux_layer_ids)) != len(self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids must be distinct, got {self.aux_layer_ids}")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} not in [1, {self.vocab_size}]")
-        if self.hidden_act != "silu":
-            raise ValueError(f"only silu MLPs are supported (vLLM's DeepseekV2MLP), got {self.hidden_act}")
+        check_common_fields(self, "DeepseekV2MLP")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim <= 0:
             raise ValueError(f"qk_rope_head_dim must be even and positive, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None:
@@ -144,10 +134,8 @@ class MLADraftConfig(ConfigMethods):
         ``moe_intermediate_size`` is not used), norm eps, RoPE incl. YaRN and vocab. Multimodal
         wrappers (``text_config``) are unwrapped. Any field can be overridden by keyword.
         """
-        cfg = _read_config(target_config)
-        text = cfg.get("text_config") or cfg.get("language_config") or cfg
-        if not isinstance(text, dict):
-            text = cfg
+        cfg = read_config(target_config)
+        text = text_config(cfg)
         if "num_key_value_heads" in overrides:
             raise TypeError("num_key_value_heads does not apply to the MLA draft (every head reads the shared "
                             "latent); drop train.draft_num_key_value_heads or use train.draft_arch: llama")
@@ -159,7 +147,7 @@ class MLADraftConfig(ConfigMethods):
             raise ValueError(f"the target config has no MLA fields {missing} (not a DeepSeek/Kimi-style model?): "
                              "use the Llama draft (train.draft_arch: llama) or give them as overrides")
         hidden = int(text["hidden_size"])
-        rope_theta, rope_scaling = _rope_from_config(text)
+        rope_theta, rope_scaling = rope_from_config(text)
         values: dict[str, Any] = dict(
             hidden_size=hidden,
             intermediate_size=int(text["intermediate_size"]),
@@ -308,40 +296,13 @@ class MLAAttention(nn.Module):
         return self.o_proj(out), new_kv
 
 
-class MLAMidLayer(MidLayer):
-    """vLLM's ``DeepseekV2Eagle3DecoderLayer`` (layer_idx 0): the Llama draft's layer with MLA
-    attention (the forward, incl. the residual handling, is :class:`eagle3.model.MidLayer`'s)."""
+class Eagle3MLADraft(DraftModel):
+    """vLLM's ``Eagle3DeepseekV2ForCausalLM``: the shared draft (:class:`eagle3.draft.common.DraftModel`:
+    forward, project, load_embeddings, trainable_state_dict, config) around MLA attention and
+    interleaved RoPE."""
 
-    def __init__(self, cfg: MLADraftConfig) -> None:
-        nn.Module.__init__(self)
-        self.norm_before_residual = cfg.norm_before_residual
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)  # type: ignore[arg-type]  (uses hidden_size / intermediate_size only)
-
-
-# ---------------------------------------------------------------------------------------------
-# The draft
-# ---------------------------------------------------------------------------------------------
-
-
-class Eagle3MLADraft(Eagle3Draft):
-    """Same interface as :class:`eagle3.model.Eagle3Draft` (forward, project, load_embeddings,
-    trainable_state_dict, config); the decoder layer is DeepSeek's."""
-
-    def __init__(self, cfg: MLADraftConfig) -> None:  # noqa: D107
-        nn.Module.__init__(self)
-        self.config = cfg  # type: ignore[assignment]
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(cfg.fc_input_size, cfg.hidden_size, bias=False)
-        self.midlayer = MLAMidLayer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.rotary = InterleavedRotary(cfg)
-        self.reset_parameters()
+    attention_cls = MLAAttention
+    rotary_cls = InterleavedRotary
 
 
 def mla_weight_shapes(cfg: MLADraftConfig) -> dict[str, tuple[int, ...]]:
@@ -375,20 +336,58 @@ def mla_weight_shapes(cfg: MLADraftConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_mla_draft(
-    target_dir: str | Path,
-    draft_vocab_size: int,
-    aux_layer_ids: Sequence[int],
-    *,
-    load_embeddings: bool = True,
-    **overrides: Any,
-) -> Eagle3MLADraft:
-    """MLADraftConfig from the target's config.json, a fresh draft, the target's embedding copied in."""
-    cfg = MLADraftConfig.from_target(Path(target_dir), draft_vocab_size, aux_layer_ids, **overrides)
-    model = Eagle3MLADraft(cfg)
-    if load_embeddings:
-        model.load_embeddings(target_dir)
-    return model
+def config_from_export(conf: dict[str, Any]) -> MLADraftConfig:
+    """The config of an MLA export's ``config.json``."""
+    return MLADraftConfig.from_target(conf, int(conf["draft_vocab_size"]),
+                                      conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+                                      target_hidden_size=int(conf["target_hidden_size"]),
+                                      q_lora_rank=conf.get("q_lora_rank"),
+                                      norm_before_residual=bool(conf.get("norm_before_residual", False)),
+                                      initializer_range=float(conf.get("initializer_range", 0.02)))
+
+
+def check_vllm_loadable(cfg: MLADraftConfig) -> None:
+    """vLLM 0.32's loader stacks ``q_a_proj`` and ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``,
+    which exists only with a ``q_lora_rank``: refuse to export a draft vLLM cannot load."""
+    if cfg.q_lora_rank is None:
+        raise ValueError("an MLA draft without q_lora_rank cannot be loaded by vLLM 0.32 (its loader stacks "
+                         "kv_a_proj_with_mqa into fused_qkv_a_proj, which exists only with a q_lora_rank)")
+
+
+def mla_fields(cfg: MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The DeepSeek-V2 layer config of an MLA draft (what transformers' DeepseekV2Config and
+    vLLM's DeepseekV2MLAAttention read)."""
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope_parameters = {**cfg.rope_scaling, "rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    out: dict[str, Any] = {
+        "model_type": "deepseek_v2",  # not deepseek_v3: vLLM turns that into its MTP drafter
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_attention_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope_parameters,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "num_hidden_layers": 1,
+        "first_k_dense_replace": 1,  # informational: the draft layer is dense (vLLM always builds an MLP)
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": cfg.initializer_range,
+        "torch_dtype": dtype_name(dtype),
+        "dtype": dtype_name(dtype),
+    }
+    if cfg.rope_scaling:
+        out["rope_scaling"] = {**cfg.rope_scaling, "rope_type": cfg.rope_type}
+    return out
 
 
 __all__ = [
@@ -396,7 +395,9 @@ __all__ = [
     "MLADraftConfig",
     "MLAAttention",
     "apply_rope_interleaved",
-    "build_mla_draft",
+    "check_vllm_loadable",
+    "config_from_export",
+    "mla_fields",
     "mla_rope",
     "mla_weight_shapes",
 ]

@@ -1,0 +1,70 @@
+"""Batches: padding, the target distributions, and the shift of TTT step i."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eagle3.train.target import TargetHead, target_distribution
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L] int64, right padded with 0
+    aux: torch.Tensor  # [B, L, A*Ht]
+    probs: torch.Tensor  # [B, L, D]   P(f_u)
+    target_arg: torch.Tensor  # [B, L]  draft index of argmax P_full(f_u), -1 outside / padding
+    target_ok: torch.Tensor  # [B, L] bool: the target at u is counted (u+1 < len, m[u+1], in vocab)
+
+
+def make_batch(samples: list, head: TargetHead, device: torch.device, max_seq_len: int, chunk: int = 256) -> Batch:
+    """Pad samples (right) to the longest; target distributions computed per sample, chunked."""
+    samples = [s for s in samples]
+    lens = [min(len(s), max_seq_len) for s in samples]
+    b, L = len(samples), max(lens)
+    d = head.draft_ids.numel()
+    ids = torch.zeros(b, L, dtype=torch.int64, device=device)
+    aux = torch.zeros(b, L, samples[0].aux.shape[-1], dtype=torch.float32, device=device)
+    probs = torch.zeros(b, L, d, dtype=torch.float32, device=device)
+    arg = torch.full((b, L), -1, dtype=torch.int64, device=device)
+    ok = torch.zeros(b, L, dtype=torch.bool, device=device)
+    for j, (s, n) in enumerate(zip(samples, lens)):
+        ids[j, :n] = s.input_ids[:n].to(device)
+        aux[j, :n] = s.aux[:n].to(device, torch.float32)
+        p, a = target_distribution(s.final[:n].to(device), head, chunk)
+        probs[j, :n], arg[j, :n] = p, a
+        m = s.loss_mask[:n].to(device).bool()
+        ok[j, : n - 1] = m[1:n] & (a[: n - 1] >= 0)  # target at u counts iff token u+1 carries loss
+    return Batch(ids, aux, probs, arg, ok)
+
+
+def add_feature_noise(batch: Batch, std: float) -> None:
+    """In place: Gaussian noise of ``std`` x each row's RMS on the target's aux states (EAGLE's
+    feature noise: the draft meets its own imperfect states at inference)."""
+    rms = batch.aux.pow(2).mean(-1, keepdim=True).sqrt()
+    batch.aux.add_(torch.randn_like(batch.aux) * rms * std)
+
+
+def zero_weight(batch: Batch) -> Batch:
+    """The same batch counting nothing: a rank's stand-in when the epoch's last group is short."""
+    return dataclasses.replace(batch, target_ok=torch.zeros_like(batch.target_ok))
+
+
+def shift_left(x: torch.Tensor, k: int, fill: Any = 0) -> torch.Tensor:
+    """y[:, t] = x[:, t+k] (fill beyond the end), along dim 1."""
+    if k == 0:
+        return x
+    y = torch.full_like(x, fill)
+    if k < x.shape[1]:
+        y[:, : x.shape[1] - k] = x[:, k:]
+    return y
+
+
+def step_inputs(batch: Batch, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids x_{t+1+i}, target probs P(f_{t+1+i}), target argmax, counted mask) of TTT step i."""
+    k = 1 + i
+    return (shift_left(batch.input_ids, k), shift_left(batch.probs, k), shift_left(batch.target_arg, k, -1),
+            shift_left(batch.target_ok, k, False))

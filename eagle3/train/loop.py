@@ -1,0 +1,329 @@
+"""The train stage: build the draft, run the epochs of TTT steps, export the draft (nanoGPT style).
+
+One process, or N under torchrun (DDP or FSDP, :mod:`eagle3.train.distributed`); nothing global
+(all state lives in :class:`~eagle3.train.checkpoint.TrainState`, the model and the optimizer).
+:func:`train` reads top to bottom: open the extract, build the draft, set up the run, resume,
+run the epochs, refuse a draft that never took a finite step, export, write the manifest.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eagle3.draft import DraftModel, build_draft
+from eagle3.errors import MissingSamples, NoResult
+from eagle3.extract.storage import HiddenStateDataset
+from eagle3.generate.storage import write_json_atomic
+from eagle3.serving.gpus import release_gpus
+from eagle3.target_checkpoint import checkpoint_dir
+from eagle3.train.batch import add_feature_noise, make_batch, zero_weight
+from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
+from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
+from eagle3.train.metrics import accumulate, epoch_metrics, write_metrics
+from eagle3.train.step import StepResult, lr_at, make_optimizer, train_step
+from eagle3.train.target import TargetHead, init_head_from_target, load_target_head
+from eagle3.vocab import VocabMapping, load_vocab
+
+MAX_CONSECUTIVE_NAN = 5
+# A run where fewer than this fraction of the optimizer steps were finite is not a trained draft:
+# it fails and exports nothing (2 steps, both NaN, used to be sealed as done: issue #16).
+MIN_FINITE_FRACTION = 0.5
+
+
+class TrainingDiverged(NoResult, RuntimeError):
+    """Too many non-finite steps in a row, or too few finite steps in all: nothing is exported."""
+
+
+def train(
+    cfg: Any,
+    extract_dir: str | Path,
+    vocab_path: str | Path,
+    target_dir: str | Path,
+    out_dir: str | Path,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    max_steps: int | None = None,
+    resume: bool = True,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """Train the draft and export it to ``out_dir/vllm-draft``; returns (and writes) the manifest.
+
+    ``cfg`` is the PipelineConfig (``cfg.train``, ``cfg.aux_layers``). ``max_steps`` stops after
+    that many optimizer steps overall (checkpointing first; the schedule still spans all epochs): a
+    later call with ``resume=True`` continues exactly. ``on_progress`` gets a dict per step.
+
+    Under torchrun (``WORLD_SIZE`` > 1) this runs on every rank with ``train.distributed`` (DDP or
+    FSDP); rank 0 writes, reports progress and exports; every rank returns the manifest.
+    """
+    if os.environ.get("RANK", "0") == "0":  # before any rank touches a GPU (eagle3.serving.gpus)
+        release_gpus(cfg, "train")
+    target_dir = checkpoint_dir(target_dir)  # a hub id: its snapshot in the local cache
+    d, dev = init_distributed(cfg.train.distributed, device)
+    try:
+        return _train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress,
+                      max_steps, resume, d, dev)
+    finally:
+        if d.owns_group:
+            dist.destroy_process_group()
+
+
+@dataclass
+class Run:
+    """What one training run holds once set up: the data, the draft, its wrapper and optimizer,
+    the schedule and where checkpoints go."""
+
+    cfg: Any
+    d: Dist
+    dev: torch.device
+    ds: HiddenStateDataset
+    head: TargetHead
+    model: DraftModel
+    net: nn.Module  # the TTT objective, under DDP / FSDP when distributed
+    opt: torch.optim.Optimizer
+    trainable: list[torch.Tensor]
+    export_copy: DraftModel | None  # FSDP: rank 0's unsharded copy to export from
+    group: int  # batches per optimizer step (the global batch)
+    total_steps: int
+    ckpt: Path
+    extra: dict[str, Any]  # what state.json carries besides the state
+
+    def save(self, state: TrainState) -> None:
+        save_checkpoint(self.ckpt, self.model, self.opt, state, self.extra, write=self.d.main,
+                        sharded=self.d.mode == "fsdp")
+
+
+def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_dir: Path,
+           on_progress: Callable[[dict[str, Any]], None] | None, max_steps: int | None, resume: bool, d: Dist,
+           dev: torch.device) -> dict[str, Any]:
+    if d.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    vocab = load_vocab(Path(vocab_path))
+    ds = open_extract(extract_dir, list(cfg.aux_layers))
+    model = build_model(cfg, target_dir, vocab, ds)
+    run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
+    state, resumed_from = TrainState(), None
+    if resume and (run.ckpt / "state.json").is_file():
+        state = resume_from(run)
+        resumed_from = state.step
+
+    if not run_epochs(run, state, out_dir, max_steps, on_progress):
+        run.save(state)
+        if d.world > 1:
+            dist.barrier()
+        return {"stage": "train", "complete": False, "step": state.step, "total_steps": run.total_steps,
+                "checkpoint": str(run.ckpt)}
+
+    check_finite(state, extract_dir)
+    export_dir = export(run, vocab, state, out_dir / "vllm-draft")
+    tc = cfg.train
+    manifest = {
+        "stage": "train",
+        "complete": True,
+        "target_dir": str(target_dir),
+        "extract_dir": str(extract_dir),
+        "vocab": str(vocab_path),
+        "export": str(export_dir),
+        "draft_config": model.config.to_dict(),
+        "train_config": tc.model_dump(mode="json"),
+        "samples": len(ds),
+        "steps": state.step,
+        "updates": state.updates,
+        "skipped_nan": state.skipped_nan,
+        "total_steps": run.total_steps,
+        "resumed_from_step": resumed_from,
+        "final": state.history[-1] if state.history else None,
+        "device": str(dev),
+        "distributed": {"mode": d.mode, "world_size": d.world, "grad_accum": tc.grad_accum,
+                        "batches_per_step": run.group},
+        "wall_s": round(time.time() - started, 2),
+    }
+    if d.main:
+        write_json_atomic(out_dir / "manifest.json", manifest)
+    if d.world > 1:
+        dist.barrier()  # the export and manifest exist when any rank returns
+    return manifest
+
+
+def open_extract(extract_dir: Path, aux_layers: list[int]) -> HiddenStateDataset:
+    """The stored hidden states, checked against extract's manifest (aux layers, sample count)."""
+    ds = HiddenStateDataset(extract_dir, dtype=torch.float32)
+    if len(ds) == 0:
+        raise ValueError(f"{extract_dir}: no samples")
+    man_path = extract_dir / "manifest.json"
+    if man_path.is_file():
+        extract_manifest = json.loads(man_path.read_text())
+        stored = extract_manifest.get("aux_layers")
+        if stored is not None and list(stored) != aux_layers:
+            raise ValueError(f"extract stored aux layers {stored}, config says {aux_layers}")
+        listed = extract_manifest.get("samples")
+        if listed is not None and len(ds) < int(listed):
+            raise MissingSamples(f"{extract_dir}: manifest.json lists {listed} samples, index.json {len(ds)}: the "
+                                 "folder was changed after extract; rerun extract into it, then train")
+    return ds
+
+
+def build_model(cfg: Any, target_dir: Path, vocab: VocabMapping, ds: HiddenStateDataset) -> DraftModel:
+    """The draft of ``train.draft_arch`` from the seed, checked against the vocab and the stored
+    states, its read-out optionally started from the target's and frozen."""
+    tc = cfg.train
+    overrides = {k: v for k, v in {"num_attention_heads": tc.draft_num_attention_heads,
+                                   "num_key_value_heads": tc.draft_num_key_value_heads,
+                                   "intermediate_size": tc.draft_intermediate_size}.items() if v is not None}
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    aux_layers = list(cfg.aux_layers)
+    model = build_draft(target_dir, vocab.draft_vocab_size, aux_layers, arch=cfg.draft_arch, **overrides)
+    dcfg = model.config
+    if vocab.target_vocab_size != dcfg.vocab_size:
+        raise ValueError(f"vocab built for {vocab.target_vocab_size} target ids, target has {dcfg.vocab_size}")
+    if ds[0].aux.shape[-1] != dcfg.fc_input_size:
+        raise ValueError(f"stored aux width {ds[0].aux.shape[-1]} != {len(aux_layers)} x {dcfg.target_hidden_size}")
+    if tc.head_init == "target":
+        init_head_from_target(model, target_dir, vocab.draft_ids)
+    if tc.freeze_head:
+        for prm in (*model.lm_head.parameters(), *model.norm.parameters()):
+            prm.requires_grad_(False)
+    return model
+
+
+def set_up(cfg: Any, model: DraftModel, ds: HiddenStateDataset, vocab: VocabMapping, target_dir: Path, out_dir: Path,
+           d: Dist, dev: torch.device) -> Run:
+    """Move the draft to the device, wrap it (DDP / FSDP), build the optimizer and the schedule."""
+    tc = cfg.train
+    # FSDP shards the draft in place: rank 0 keeps an unsharded CPU copy (frozen tensors shared)
+    # to load the gathered final weights into for the export.
+    export_copy = (copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
+                   if d.mode == "fsdp" and d.main else None)
+    model.to(dev)
+    hold_frozen_bf16(model, dev)
+    head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
+    net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay)
+    opt = make_optimizer(model, tc.lr, tc.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    per_epoch = len(epoch_batches(ds, tc.token_budget, tc.seed, 0))
+    group = d.world * tc.grad_accum
+    total_steps = math.ceil(per_epoch / group) * tc.epochs
+    extra = {"total_steps": total_steps, "global_batches": group, "world_size": d.world,
+             "train_config": tc.model_dump(mode="json"), "draft_config": model.config.to_dict()}
+    return Run(cfg, d, dev, ds, head, model, net, opt, trainable, export_copy, group, total_steps,
+               out_dir / "checkpoints" / "latest", extra)
+
+
+def resume_from(run: Run) -> TrainState:
+    """The state of ``run.ckpt`` (weights and optimizer loaded), refused if from another schedule."""
+    state, meta = load_checkpoint(run.ckpt, run.model, run.opt)
+    if meta.get("total_steps") != run.total_steps or meta.get("draft_config") != run.model.config.to_dict():
+        raise ValueError(f"{run.ckpt}: checkpoint from a different run (schedule or draft shape differs; a run "
+                         f"of {meta.get('global_batches', 1)} batches per step resumes with world size x "
+                         f"train.grad_accum = {meta.get('global_batches', 1)}, this one has {run.group})")
+    return state
+
+
+def epoch_batches(ds: HiddenStateDataset, token_budget: int, seed: int, epoch: int) -> list[list[int]]:
+    """The epoch's batches (sample indices), length-bucketed and shuffled by (seed, epoch)."""
+    return list(ds.batches(token_budget, shuffle=True, seed=seed * 100003 + epoch))
+
+
+def run_epochs(run: Run, state: TrainState, out_dir: Path, max_steps: int | None,
+               on_progress: Callable[[dict[str, Any]], None] | None) -> bool:
+    """Optimizer steps until the last epoch ends (True) or ``max_steps`` is reached (False).
+    Checkpoints every ``checkpoint_every_steps`` and after each epoch."""
+    tc, d = run.cfg.train, run.d
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if run.dev.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    run.model.train()
+    while state.epoch < tc.epochs:
+        batches = epoch_batches(run.ds, tc.token_budget, tc.seed, state.epoch)
+        while state.batch_in_epoch < len(batches):
+            if max_steps is not None and state.step >= max_steps:
+                return False
+            step_batches = batches[state.batch_in_epoch : state.batch_in_epoch + run.group]
+            lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio)
+            r = optimizer_step(run, step_batches, lr, autocast)
+            count_step(state, r, len(step_batches))
+            if on_progress is not None and d.main:
+                on_progress({"step": state.step, "total_steps": run.total_steps, "epoch": state.epoch, "lr": lr,
+                             "loss": r.loss if r.finite else None, "grad_norm": r.grad_norm,
+                             "steps": r.stats, "skipped_nan": state.skipped_nan})
+            if state.step % tc.checkpoint_every_steps == 0:
+                run.save(state)
+        state.history.append(epoch_metrics(state))
+        state.epoch += 1
+        state.batch_in_epoch = 0
+        state.epoch_sums = {}
+        if d.main:
+            write_metrics(out_dir, state.history)
+        run.save(state)
+    return True
+
+
+def optimizer_step(run: Run, step_batches: list[list[int]], lr: float, autocast: Any) -> StepResult:
+    """One step on the global batch ``step_batches``: this rank's share of it, at learning rate ``lr``."""
+    tc, d, ds = run.cfg.train, run.d, run.ds
+    mine = step_batches[d.rank :: d.world]  # up to grad_accum batches of this rank
+    micro = [make_batch([ds[i] for i in idx], run.head, run.dev, tc.max_seq_len) for idx in mine]
+    if tc.feature_noise > 0:
+        for b in micro:
+            add_feature_noise(b, tc.feature_noise)
+    if not micro:  # the epoch's short last group: join the all-reduce with nothing counted
+        micro = [zero_weight(make_batch([ds[i] for i in step_batches[0]], run.head, run.dev, tc.max_seq_len))]
+    for g in run.opt.param_groups:
+        g["lr"] = lr
+    return train_step(run.net, run.opt, run.trainable, micro, d, tc.ttt_steps, tc.ttt_decay, tc.grad_clip, autocast)
+
+
+def count_step(state: TrainState, r: StepResult, n_batches: int) -> None:
+    """Advance the state past one step; too many non-finite steps in a row stop the run."""
+    if r.finite:
+        state.updates += 1
+        state.consecutive_nan = 0
+        accumulate(state, r.stats)
+    else:
+        state.skipped_nan += 1
+        state.consecutive_nan += 1
+    state.step += 1
+    state.batch_in_epoch += n_batches
+    if state.consecutive_nan >= MAX_CONSECUTIVE_NAN:
+        raise TrainingDiverged(f"{state.consecutive_nan} non-finite steps in a row (last at step "
+                               f"{state.step}, {state.skipped_nan} skipped in all): check the data / lr")
+
+
+def check_finite(state: TrainState, extract_dir: Path) -> None:
+    """Refuse to export a draft that (almost) never took a finite step."""
+    if state.step and state.updates >= MIN_FINITE_FRACTION * state.step and state.updates > 0:
+        return
+    raise TrainingDiverged(
+        f"only {state.updates} of {state.step} optimizer steps were finite (at least {MIN_FINITE_FRACTION:.0%} are "
+        f"required): the draft is not trained, nothing was exported or sealed. Check {extract_dir} for NaN/inf "
+        "states (extract drops them) and train.lr, then rerun train (delete its checkpoints/ to start over)")
+
+
+def export(run: Run, vocab: VocabMapping, state: TrainState, export_dir: Path) -> Path:
+    """Rank 0 writes the vLLM-format export (FSDP: the weights gathered into its unsharded copy)."""
+    from eagle3.draft.export import export_vllm
+
+    model = run.model
+    if run.d.mode == "fsdp":  # gather the final weights (every rank), load them into rank 0's unsharded copy
+        final_weights = trainable_full(model, run.d.main)
+        if run.export_copy is not None:
+            run.export_copy.load_state_dict(final_weights, strict=False)
+            model = run.export_copy
+    if run.d.main:
+        model.eval()
+        export_dir = export_vllm(model.to("cpu").float(), None, vocab.d2t, vocab.t2d, export_dir,
+                                 metadata={"stage": "train", "steps": state.step, "epochs": run.cfg.train.epochs})
+    return export_dir

@@ -1,0 +1,78 @@
+"""One optimizer step: the learning-rate schedule, AdamW, and the step over this rank's micro-batches."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from eagle3.draft import DraftModel
+from eagle3.train.batch import Batch
+from eagle3.train.distributed import Dist, grad_sync
+from eagle3.train.ttt import step_counts
+
+
+def lr_at(step: int, total: int, base_lr: float, warmup_ratio: float) -> float:
+    """Linear warmup then cosine to 0; a pure function of the step (the scheduler's state)."""
+    warmup = int(warmup_ratio * total)
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_optimizer(model: DraftModel, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, betas 0.9/0.95, no weight decay on norms (1-d parameters)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if p.dim() >= 2]
+    no_decay = [p for n, p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+@dataclass
+class StepResult:
+    loss: float  # global weighted TTT loss (nan/inf: the step was skipped)
+    stats: list[dict]  # global, per TTT step: {loss, correct, count}
+    grad_norm: float
+    finite: bool  # the optimizer stepped
+
+
+def train_step(net: nn.Module, opt: torch.optim.Optimizer, params: list[torch.Tensor], micro: list[Batch], d: Dist,
+               ttt_steps: int, ttt_decay: float, grad_clip: float,
+               autocast: contextlib.AbstractContextManager) -> StepResult:
+    """One optimizer step on this rank's micro-batches; the global batch is all ranks' together.
+
+    The per-step denominators (counted positions of the global batch) are all-reduced first, so
+    each micro-batch's loss is its exact share of the global loss; x ``d.world`` undoes DDP's /
+    FSDP's gradient averaging. A non-finite loss or gradient norm anywhere skips the step on every
+    rank alike (the all-reduced sums and the norm of the all-reduced gradients are the same on all)."""
+    counts = sum(step_counts(b, ttt_steps) for b in micro)
+    if d.world > 1:
+        dist.all_reduce(counts)
+    denom = counts.clamp(min=1).float()
+    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=counts.device)  # ce sum, correct, count
+    for j, b in enumerate(micro):
+        with grad_sync(net, d, j == len(micro) - 1):
+            with autocast:
+                loss, stats = net(b, denom)
+            (loss * d.world).backward()
+        sums += torch.tensor([[s["sum"] for s in stats], [s["correct"] for s in stats], [s["count"] for s in stats]],
+                             dtype=torch.float64, device=sums.device)
+    if d.world > 1:
+        dist.all_reduce(sums)
+    per_step = [{"loss": float(sums[0, i] / max(float(sums[2, i]), 1.0)), "correct": int(sums[1, i]),
+                 "count": int(sums[2, i])} for i in range(ttt_steps)]
+    total = sum(ttt_decay**i * s["loss"] for i, s in enumerate(per_step))
+    gnorm_t = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    gnorm = float(gnorm_t.full_tensor() if isinstance(gnorm_t, DTensor) else gnorm_t)
+    finite = math.isfinite(total) and math.isfinite(gnorm)
+    if finite:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return StepResult(total, per_step, gnorm, finite)

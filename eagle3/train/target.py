@@ -1,0 +1,82 @@
+"""The target side of the loss: the target's next-token distribution over the draft vocab.
+
+The target model is never loaded: its final norm weight and its lm_head (tied: embed_tokens) are
+read tensor by tensor from the checkpoint (:mod:`eagle3.target_checkpoint`). For each stored token
+u the target distribution is ``softmax(lm_head(rmsnorm(final[u])))`` restricted to the draft-vocab
+rows and renormalised, computed in chunks of ``chunk`` tokens (full-vocab logits exist only for
+one chunk, only to find the target's argmax; a position whose argmax is outside the draft vocab is
+masked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eagle3.target_checkpoint import NORM_NAMES, load_target_embeddings, load_target_tensor
+
+
+@dataclass
+class TargetHead:
+    """What the target distribution needs: final norm, lm_head, and the draft vocab."""
+
+    norm_weight: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    draft_ids: torch.Tensor  # [D] target ids of the draft rows (ascending)
+    t2draft: torch.Tensor  # [V] int64: draft index of a target id, -1 if not in the draft vocab
+    eps: float
+
+    def to(self, device: torch.device | str) -> "TargetHead":
+        return TargetHead(self.norm_weight.to(device), self.lm_head.to(device), self.draft_ids.to(device),
+                          self.t2draft.to(device), self.eps)
+
+
+def load_target_head(target_dir: str | Path, draft_ids: torch.Tensor, eps: float) -> TargetHead:
+    """Final norm + lm_head of the target read from its checkpoint (one tensor each)."""
+    norm = load_target_tensor(target_dir, NORM_NAMES)
+    _, head = load_target_embeddings(target_dir)
+    draft_ids = draft_ids.to(torch.int64)
+    t2draft = torch.full((head.shape[0],), -1, dtype=torch.int64)
+    t2draft[draft_ids] = torch.arange(draft_ids.numel())
+    return TargetHead(norm, head, draft_ids, t2draft, eps)
+
+
+@torch.no_grad()
+def target_distribution(final: torch.Tensor, head: TargetHead, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """For final states [N, H]: (probs [N, D] float32 over the draft vocab, renormalised;
+    target argmax as a draft index [N], -1 where the full-vocab argmax is outside the draft vocab).
+
+    Full-vocab logits exist only for ``chunk`` rows at a time."""
+    n = final.shape[0]
+    probs = torch.empty(n, head.draft_ids.numel(), dtype=torch.float32, device=final.device)
+    arg = torch.empty(n, dtype=torch.int64, device=final.device)
+    w = head.norm_weight.float()
+    for a in range(0, n, chunk):
+        x = final[a : a + chunk].float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.eps) * w
+        logits = (x.to(head.lm_head.dtype) @ head.lm_head.T).float()  # [c, V]
+        arg[a : a + chunk] = head.t2draft[logits.argmax(-1)]
+        probs[a : a + chunk] = torch.softmax(logits[:, head.draft_ids], dim=-1)
+    return probs, arg
+
+
+def init_head_from_target(model: nn.Module, target_dir: str | Path, draft_ids: torch.Tensor) -> None:
+    """Start the draft's read-out as the target's own: ``lm_head`` rows = the target's lm_head rows
+    of the draft vocab (tied targets: embedding rows), final ``norm`` = the target's final norm.
+
+    Why: the draft's last hidden state is trained to predict what the target's final state
+    predicts, through the same kind of RMSNorm + linear read-out. A random 32000 x H read-out
+    (most of the draft's trainable weights) has to be learnt from the data; the target's is
+    already right for every token, including the ones the data shows rarely."""
+    _, head = load_target_embeddings(target_dir)
+    norm = load_target_tensor(target_dir, NORM_NAMES)
+    ids = draft_ids.to(torch.int64)
+    if head.shape[1] != model.lm_head.weight.shape[1] or norm.shape != model.norm.weight.shape:
+        raise ValueError(f"train.head_init=target needs the draft's hidden size ({model.lm_head.weight.shape[1]}) "
+                         f"to equal the target's ({head.shape[1]}); set train.head_init=random")
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head[ids].to(model.lm_head.weight.dtype))
+        model.norm.weight.copy_(norm.to(model.norm.weight.dtype))
