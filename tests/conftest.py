@@ -46,6 +46,20 @@ def require_vllm(cfg) -> None:
         pytest.fail(f"vLLM serving environment missing ({cfg.serve.vllm_python}): `make test` creates it")
 
 
+def spec_counters(base_url: str) -> dict[str, float]:
+    """vLLM's spec-decode counters (``vllm:spec_decode_*_total``, summed over labels) from /metrics."""
+    import re
+
+    import httpx
+
+    totals: dict[str, float] = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        mt = re.match(r"^(vllm:spec_decode_[a-z_]+_total)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+        if mt and "per_pos" not in mt.group(1):
+            totals[mt.group(1)] = totals.get(mt.group(1), 0.0) + float(mt.group(3))
+    return totals
+
+
 @pytest.fixture(scope="session")
 def vllm_server(cpu_cfg, smol_model, tmp_path_factory):
     """A REAL vLLM CPU server with SmolLM2, shared by the whole test session."""

@@ -1,4 +1,5 @@
-"""The Llama EAGLE-3 draft (eagle3.draft.llama) and its vLLM exports (eagle3.draft.export).
+"""The EAGLE-3 drafts (eagle3.draft: the Llama draft, and the tests both drafts share) and the vLLM
+exports (eagle3.draft.export). MLA-only tests: tests/test_mla_draft.py.
 
 The vllm-marked test serves a RANDOM-weight draft for SmolLM2 (speculators format) with the real
 vLLM CPU server and checks that speculative decoding actually ran (spec-decode counters on /metrics).
@@ -7,26 +8,28 @@ vLLM CPU server and checks that speculative decoding actually ran (spec-decode c
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft.export import (
+    MLA_ARCHITECTURE,
     VLLM_WEIGHT_NAMES,
     expected_shapes,
     export_speculators,
     export_vllm,
     load_exported,
+    vllm_config_dict,
 )
-from eagle3.draft import DraftConfig, Eagle3Draft, build_draft
+from eagle3.draft import DraftConfig, Eagle3Draft, Eagle3MLADraft, build_draft
 from eagle3.draft.llama import rope_inv_freq
 from eagle3.target_checkpoint import load_target_embeddings, load_target_tensor
 from eagle3.vocab import build_vocab, draft_to_target
-from tests.conftest import CPU_PROFILE, require_vllm
+from tests.conftest import CPU_PROFILE, require_vllm, spec_counters
+from tests.test_mla_draft import KIMI_YARN
+from tests.test_mla_draft import tiny_cfg as tiny_mla_cfg
 
 AUX = [2, 15, 27]
 
@@ -79,13 +82,26 @@ def test_config_from_nested_and_legacy_rope():
     assert inv.shape == (56,) and mscale == pytest.approx(1.0)  # mscale / mscale_all_dim cancel
 
 
-def test_shapes_forward_backward():
+#: The drafts the shared tests run on: (module class, config). The MLA ones carry Kimi-K2.5's YaRN
+#: RoPE (original 16 positions, so it bites at these lengths), with and without q_lora_rank.
+DRAFTS = {
+    "llama": lambda: (Eagle3Draft, tiny_cfg()),
+    "mla": lambda: (Eagle3MLADraft, tiny_mla_cfg(rope_scaling=dict(KIMI_YARN, original_max_position_embeddings=16))),
+    "mla-no-q-lora": lambda: (Eagle3MLADraft, tiny_mla_cfg(
+        q_lora_rank=None, rope_scaling=dict(KIMI_YARN, original_max_position_embeddings=16))),
+}
+
+
+@pytest.mark.parametrize("arch", list(DRAFTS))
+def test_shapes_forward_backward(arch):
     torch.manual_seed(0)
-    cfg = tiny_cfg()
-    m = Eagle3Draft(cfg)
+    cls, cfg = DRAFTS[arch]()
+    m = cls(cfg)
     shapes = expected_shapes(cfg)
-    for name, p in m.trainable_state_dict().items():
-        assert tuple(p.shape) == shapes[name], name
+    got = {k: tuple(v.shape) for k, v in m.trainable_state_dict().items()}
+    assert got == {k: v for k, v in shapes.items() if k not in ("d2t", "t2d")}
+    if arch.startswith("mla"):
+        assert ("midlayer.self_attn.q_proj.weight" in got) == (cfg.q_lora_rank is None)
     assert tuple(m.embed_tokens.weight.shape) == (100, 32) and not m.embed_tokens.weight.requires_grad
 
     b, t = 2, 9
@@ -106,10 +122,16 @@ def test_shapes_forward_backward():
         m(ids, torch.randn(b, t, 7))
 
 
-def test_causal_and_masks_and_kv_prefix():
+#: Per draft: the cached (k, v) shapes of 3 positions of a batch of 2. Llama: [B, kv_heads, S, head_dim];
+#: MLA: the expanded per-head keys (nope + rope dims) and values.
+KV_SHAPES = {"llama": ((2, 2, 3, 8), (2, 2, 3, 8)), "mla": ((2, 4, 3, 16), (2, 4, 3, 6))}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_causal_and_masks_and_kv_prefix(arch):
     torch.manual_seed(1)
-    cfg = tiny_cfg()
-    m = Eagle3Draft(cfg).eval()
+    cls, cfg = (Eagle3Draft, tiny_cfg()) if arch == "llama" else (Eagle3MLADraft, tiny_mla_cfg())
+    m = cls(cfg).eval()
     b, t = 2, 8
     ids = torch.randint(0, cfg.vocab_size, (b, t))
     aux = torch.randn(b, t, cfg.fc_input_size)
@@ -125,11 +147,18 @@ def test_causal_and_masks_and_kv_prefix():
         assert torch.allclose(m(ids, aux, attn_mask=causal)[0], out, atol=1e-5)
         additive = torch.zeros(t, t).masked_fill(~causal, float("-inf"))
         assert torch.allclose(m(ids, aux, attn_mask=additive)[0], out, atol=1e-5)
-        # KV prefix: two halves with the cache == one pass
+        # KV prefix: two halves with the cache == one pass (positions continue after the prefix)
         o1, _, kv = m(ids[:, :3], aux[:, :3], use_cache=True)
         o2, _ = m(ids[:, 3:], aux[:, 3:], past_kv=kv)
         assert torch.allclose(torch.cat([o1, o2], 1), out, atol=1e-5)
-        assert kv[0].shape == (b, cfg.num_key_value_heads, 3, cfg.head_dim)
+        assert (kv[0].shape, kv[1].shape) == KV_SHAPES[arch]
+        # one token at a time == one pass
+        past, outs = None, []
+        for i in range(t):
+            o, _, kv_i = m(ids[:, i : i + 1], aux[:, i : i + 1], past_kv=past, use_cache=True)
+            past = kv_i if past is None else (torch.cat([past[0], kv_i[0]], 2), torch.cat([past[1], kv_i[1]], 2))
+            outs.append(o)
+        assert torch.allclose(torch.cat(outs, 1), out, atol=1e-5)
         # TTT-shaped step: prefix = step 0's keys, mask causal over it + diagonal over the new block
         _, _, kv0 = m(ids, aux, use_cache=True)
         ttt_mask = torch.cat([causal, torch.eye(t, dtype=torch.bool)], dim=1)
@@ -268,24 +297,35 @@ VLLM_TINY = {
 }
 
 
-def test_export_vllm_roundtrip(tmp_path):
-    torch.manual_seed(3)
-    cfg = tiny_cfg()
-    m = Eagle3Draft(cfg)
+def _tiny_export(arch: str, tmp_path: Path):
+    """A random tiny draft of ``arch`` exported in the vLLM format: (model, config, vocab, export folder)."""
+    if arch == "llama":
+        torch.manual_seed(3)
+        cls, cfg = Eagle3Draft, tiny_cfg()
+    else:
+        torch.manual_seed(4)
+        cls, cfg = Eagle3MLADraft, tiny_mla_cfg(rope_scaling=dict(KIMI_YARN))
+    m = cls(cfg)
     vocab = tiny_vocab(cfg)
-    out = export_vllm(m, cfg, vocab.d2t, vocab.t2d, tmp_path / "draft")
+    return m, cfg, vocab, export_vllm(m, cfg, vocab.d2t, vocab.t2d, tmp_path / "draft")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_export_vllm_roundtrip(arch, tmp_path):
+    m, cfg, vocab, out = _tiny_export(arch, tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folder left behind"
     conf = json.loads((out / "config.json").read_text())
-    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["num_hidden_layers"] == 1
+    assert conf == vllm_config_dict(cfg)
+    assert conf["architectures"] == {"llama": ["LlamaForCausalLMEagle3"], "mla": [MLA_ARCHITECTURE]}[arch]
+    assert conf["num_hidden_layers"] == 1
     assert conf["vocab_size"] == 100 and conf["draft_vocab_size"] == 40 and conf["target_hidden_size"] == 24
     assert conf["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}
     assert conf["torch_dtype"] == "bfloat16" and conf["norm_before_residual"] is False
-    assert conf["head_dim"] == 8 and conf["num_key_value_heads"] == 2 and conf["tie_word_embeddings"] is False
+    assert conf["rope_parameters"]["rope_theta"] == 10000.0
 
     tensors = load_file(str(out / "model.safetensors"))
-    assert set(tensors) == set(VLLM_WEIGHT_NAMES) == set(VLLM_TINY)
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == VLLM_TINY
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected_shapes(cfg)
     assert not any("embed_tokens" in k for k in tensors)  # vLLM shares the target's
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert all(v.dtype == torch.bfloat16 for k, v in tensors.items() if k not in ("d2t", "t2d"))
@@ -294,9 +334,19 @@ def test_export_vllm_roundtrip(tmp_path):
     assert torch.equal(tensors["fc.weight"], m.fc.weight.detach().bfloat16())
 
     back, d2t, t2d = load_exported(out)
-    assert back.config == cfg and torch.equal(d2t, vocab.d2t) and torch.equal(t2d, vocab.t2d)
+    assert type(back) is type(m) and back.config == cfg
+    assert torch.equal(d2t, vocab.d2t) and torch.equal(t2d, vocab.t2d)
     for k, v in m.trainable_state_dict().items():
         assert torch.equal(back.state_dict()[k], v.bfloat16().float()), k
+
+
+def test_export_vllm_llama_names_and_refusals(tmp_path):
+    m, cfg, vocab, out = _tiny_export("llama", tmp_path)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["head_dim"] == 8 and conf["num_key_value_heads"] == 2 and conf["tie_word_embeddings"] is False
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == set(VLLM_WEIGHT_NAMES) == set(VLLM_TINY)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == VLLM_TINY
 
     # re-export replaces atomically; a bad mapping is refused before anything is written
     export_vllm(m, None, vocab.d2t, vocab.t2d, out)
@@ -350,16 +400,6 @@ def test_vllm_loader_names_from_source():
 # ------------------------------------------------------------------------------------------------
 # (d), (e) served by the real vLLM CPU server
 # ------------------------------------------------------------------------------------------------
-
-
-def spec_counters(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        mt = re.match(r"^(vllm:spec_decode_[a-z_]+_total)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if mt and "per_pos" not in mt.group(1):
-            totals[mt.group(1)] = totals.get(mt.group(1), 0.0) + float(mt.group(3))
-    return totals
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import httpx
@@ -20,13 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.draft.export import (MLA_ARCHITECTURE, expected_shapes, export_speculators, export_vllm, load_exported,
-                           vllm_config_dict)
 from eagle3.draft import build_draft
+from eagle3.draft.export import MLA_ARCHITECTURE, export_speculators, export_vllm, load_exported
 from eagle3.draft.mla import (Eagle3MLADraft, MLADraftConfig, apply_rope_interleaved, mla_rope, mla_weight_shapes,
                               yarn_get_mscale)
 from eagle3.vocab import build_vocab
-from tests.conftest import ROOT, require_vllm
+from tests.conftest import ROOT, require_vllm, spec_counters
 
 TINY_PROFILE = ROOT / "configs" / "tiny-deepseek-cpu.yaml"
 KIMI_TARGET_CONFIG = ROOT / "configs" / "targets" / "moonshotai--Kimi-K2.5.json"
@@ -43,11 +41,6 @@ def tiny_cfg(**kw) -> MLADraftConfig:
                 max_position_embeddings=128)
     base.update(kw)
     return MLADraftConfig(**base)
-
-
-def tiny_vocab(cfg, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return build_vocab(torch.randint(0, 50, (cfg.vocab_size,), generator=g), cfg.draft_vocab_size)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -149,69 +142,7 @@ def test_draft_arch_resolution():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("q_lora_rank", [16, None])
-def test_shapes_forward_backward(q_lora_rank):
-    torch.manual_seed(0)
-    cfg = tiny_cfg(q_lora_rank=q_lora_rank, rope_scaling=dict(KIMI_YARN, original_max_position_embeddings=16))
-    m = Eagle3MLADraft(cfg)
-    shapes = expected_shapes(cfg)
-    got = {k: tuple(v.shape) for k, v in m.trainable_state_dict().items()}
-    assert got == {k: v for k, v in shapes.items() if k not in ("d2t", "t2d")}
-    assert ("midlayer.self_attn.q_proj.weight" in got) == (q_lora_rank is None)
-    b, t = 2, 9
-    ids = torch.randint(0, cfg.vocab_size, (b, t))
-    aux = torch.randn(b, t, cfg.fc_input_size)
-    out, logits = m(ids, aux)
-    assert out.shape == (b, t, 32) and logits.shape == (b, t, 40)
-    _, logits2 = m(ids.roll(-1, 1), out)  # an unrolled step on the H-wide state (no fc)
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.randint(0, 40, (b * t,))) \
-        + torch.nn.functional.cross_entropy(logits2.flatten(0, 1), torch.randint(0, 40, (b * t,)))
-    loss.backward()
-    assert m.embed_tokens.weight.grad is None
-    for name, p in m.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
-    with pytest.raises(ValueError, match="last dim"):
-        m(ids, torch.randn(b, t, 7))
-
-
-def test_causal_and_masks_and_kv_prefix():
-    """The attention-mask and KV-prefix semantics of the Llama draft (tests/test_draft_model.py)."""
-    torch.manual_seed(1)
-    cfg = tiny_cfg()
-    m = Eagle3MLADraft(cfg).eval()
-    b, t = 2, 8
-    ids = torch.randint(0, cfg.vocab_size, (b, t))
-    aux = torch.randn(b, t, cfg.fc_input_size)
-    with torch.no_grad():
-        out, _ = m(ids, aux)
-        aux2 = aux.clone()
-        aux2[:, 5:] += 1.0
-        out2, _ = m(ids, aux2)
-        assert torch.allclose(out[:, :5], out2[:, :5], atol=1e-6) and not torch.allclose(out[:, 5:], out2[:, 5:])
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        assert torch.allclose(m(ids, aux, attn_mask=causal)[0], out, atol=1e-5)
-        additive = torch.zeros(t, t).masked_fill(~causal, float("-inf"))
-        assert torch.allclose(m(ids, aux, attn_mask=additive)[0], out, atol=1e-5)
-        # KV prefix: two halves with the cache == one pass (positions continue after the prefix)
-        o1, _, kv = m(ids[:, :3], aux[:, :3], use_cache=True)
-        o2, _ = m(ids[:, 3:], aux[:, 3:], past_kv=kv)
-        assert torch.allclose(torch.cat([o1, o2], 1), out, atol=1e-5)
-        assert kv[0].shape == (b, 4, 3, 16) and kv[1].shape == (b, 4, 3, 6)  # per head: nope+rope keys, v
-        # one token at a time == one pass
-        past, outs = None, []
-        for i in range(t):
-            o, _, kv_i = m(ids[:, i : i + 1], aux[:, i : i + 1], past_kv=past, use_cache=True)
-            past = kv_i if past is None else (torch.cat([past[0], kv_i[0]], 2), torch.cat([past[1], kv_i[1]], 2))
-            outs.append(o)
-        assert torch.allclose(torch.cat(outs, 1), out, atol=1e-5)
-        # TTT-shaped step: prefix = step 0's keys, mask causal over it + the diagonal over the new block
-        _, _, kv0 = m(ids, aux, use_cache=True)
-        ttt_mask = torch.cat([causal, torch.eye(t, dtype=torch.bool)], dim=1)
-        o_ttt, l_ttt = m(ids.roll(-1, 1), out, past_kv=kv0, attn_mask=ttt_mask, position_ids=torch.arange(t))
-        assert o_ttt.shape == (b, t, 32) and l_ttt.shape == (b, t, 40)
-        with pytest.raises(ValueError, match="attn_mask"):
-            m(ids, out, past_kv=kv0, attn_mask=causal)
+# (shapes, forward/backward, masks and the KV prefix: tests/test_draft_model.py, parametrized over both drafts)
 
 
 def test_ttt_unroll_matches_per_position_reference():
@@ -303,34 +234,17 @@ def test_rope_is_interleaved_and_yarn_matches_transformers():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_export_vllm_roundtrip(tmp_path):
-    torch.manual_seed(4)
-    cfg = tiny_cfg(rope_scaling=dict(KIMI_YARN))
-    m = Eagle3MLADraft(cfg)
-    vocab = tiny_vocab(cfg)
-    out = export_vllm(m, cfg, vocab.d2t, vocab.t2d, tmp_path / "draft")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+def test_export_vllm_mla_fields_and_refusals(tmp_path):
+    """The MLA export's own fields (what the shared roundtrip in tests/test_draft_model.py does not check)."""
+    from tests.test_draft_model import _tiny_export
+
+    m, cfg, vocab, out = _tiny_export("mla", tmp_path)
     conf = json.loads((out / "config.json").read_text())
-    assert conf == vllm_config_dict(cfg)
     assert conf["architectures"] == [MLA_ARCHITECTURE] and conf["model_type"] == "deepseek_v2"
     assert (conf["q_lora_rank"], conf["kv_lora_rank"], conf["qk_nope_head_dim"], conf["qk_rope_head_dim"],
             conf["v_head_dim"], conf["intermediate_size"], conf["num_hidden_layers"]) == (16, 24, 8, 8, 6, 64, 1)
-    assert conf["vocab_size"] == 100 and conf["draft_vocab_size"] == 40 and conf["target_hidden_size"] == 24
-    assert conf["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}
     assert conf["rope_scaling"]["rope_type"] == "yarn" and conf["rope_scaling"]["factor"] == 64.0
     assert conf["rope_parameters"]["rope_theta"] == 10000.0 and conf["norm_before_residual"] is False
-
-    tensors = load_file(str(out / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected_shapes(cfg)
-    assert not any("embed_tokens" in k for k in tensors)
-    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
-    assert all(v.dtype == torch.bfloat16 for k, v in tensors.items() if k not in ("d2t", "t2d"))
-
-    back, d2t, t2d = load_exported(out)
-    assert isinstance(back, Eagle3MLADraft) and back.config == cfg
-    assert torch.equal(d2t, vocab.d2t) and torch.equal(t2d, vocab.t2d)
-    for k, v in m.trainable_state_dict().items():
-        assert torch.equal(back.state_dict()[k], v.bfloat16().float()), k
 
     with pytest.raises(ValueError, match="speculators format"):
         export_speculators(m, cfg, vocab.d2t, vocab.t2d, tmp_path / "spec", verifier="/x")
@@ -406,15 +320,6 @@ PROMPTS = [
      "about the stars, the tides and the winds to every child who would listen."),
     "What is the capital of France?",
 ]
-
-
-def spec_counters(base_url: str) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
-        mt = re.match(r"^(vllm:spec_decode_[a-z_]+_total)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if mt and "per_pos" not in mt.group(1):
-            totals[mt.group(1)] = totals.get(mt.group(1), 0.0) + float(mt.group(3))
-    return totals
 
 
 @pytest.fixture(scope="module")

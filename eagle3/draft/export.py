@@ -291,7 +291,10 @@ def _check_cfg(model: DraftModel, cfg: Any | None) -> Any:
     return cfg
 
 
-def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[DraftModel, torch.Tensor | None, torch.Tensor]:
+Loaded = tuple[DraftModel, torch.Tensor | None, torch.Tensor]  # (model, d2t or None, t2d)
+
+
+def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Loaded:
     """Read a vLLM-format or speculators-format export back into its draft class (an Eagle3Draft,
     or an Eagle3MLADraft for an MLA export; embedding left at its init: load it with
     ``model.load_embeddings(target_dir)``). Returns (model, d2t, t2d)."""
@@ -308,7 +311,7 @@ def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tu
     return _load_tensors(path, arch.module_cls(arch.config_from_export(conf)).to(dtype), dtype)
 
 
-def _load_tensors(path: Path, model: DraftModel, dtype: torch.dtype) -> tuple[DraftModel, torch.Tensor | None, torch.Tensor]:
+def _load_tensors(path: Path, model: DraftModel, dtype: torch.dtype) -> Loaded:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path / "model.safetensors"))

@@ -33,7 +33,8 @@ def torchrun_train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Pa
     cfg_path = out_dir / "launch-config.json"
     write_json_atomic(cfg_path, cfg.model_dump(mode="json"))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "eagle3.train.launch", str(cfg_path), str(extract_dir), str(vocab_path), str(target_dir), str(out_dir)]
+            "-m", "eagle3.train.launch",
+            str(cfg_path), str(extract_dir), str(vocab_path), str(target_dir), str(out_dir)]
     log_path = out_dir / "torchrun.log"
     log(f"train: {' '.join(argv[2:6])} ... (log {log_path})")
     with open(log_path, "ab") as f:
