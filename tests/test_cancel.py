@@ -23,7 +23,7 @@ from eagle3.generate.storage import iter_samples
 from eagle3.serving.readiness import free_port
 from tests.conftest import CPU_PROFILE, ROOT
 from tests.test_faults import _pids_with_arg, write_prompts
-from tests.test_ui_browser import _start, _stop, _wait
+from tests.test_ui_browser import _deployment, _start, _stop, _wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -89,11 +89,7 @@ def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
         serve = _start(argv, env, serve_log)
         procs.append((serve, serve_log))
 
-        def deployment():
-            r = httpx.post(f"{api}/deployments/filter", json={"deployments": {"name": {"any_": ["hero-run"]}}}, timeout=5)
-            return r.json()[0] if r.status_code == 200 and r.json() else None
-
-        dep = _wait("hero-run deployment", deployment, 120, procs)
+        dep = _wait("hero-run deployment", lambda: _deployment(api, "hero-run"), 120, procs)
         run = httpx.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={}, timeout=10).json()
 
         def state() -> str:

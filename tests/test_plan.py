@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from eagle3.cli import app
@@ -112,8 +113,8 @@ def test_preflight_of_the_kimi_profile_here_names_every_blocker(fake_systemd, tm
     assert "systemctl start" not in (fake_systemd / "calls.log").read_text()  # nothing started
 
 
+@pytest.mark.vllm  # its pre-flight checks find the vLLM environment (.venv-vllm)
 def test_dry_run_of_the_hero_run(capsys):
-    import pytest
 
     from flows.hero_run import main
 

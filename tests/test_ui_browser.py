@@ -67,6 +67,12 @@ def _wait(what: str, check, timeout_s: float, procs: list[tuple[subprocess.Popen
     pytest.fail(f"{what}: not within {timeout_s} s\n{logs}")
 
 
+def _deployment(api: str, name: str) -> dict | None:
+    """The deployment called ``name`` once the runner has registered it."""
+    r = httpx.post(f"{api}/deployments/filter", json={"deployments": {"name": {"any_": [name]}}}, timeout=5)
+    return r.json()[0] if r.status_code == 200 and r.json() else None
+
+
 def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail("Debian's chromium is missing: `make test` installs it (apt-get install chromium)")
@@ -94,11 +100,7 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
         serve = _start(argv, env, serve_log)
         procs.append((serve, serve_log))
 
-        def deployment():
-            r = httpx.post(f"{api}/deployments/filter", json={"deployments": {"name": {"any_": ["hero-run"]}}}, timeout=5)
-            return r.json()[0] if r.status_code == 200 and r.json() else None
-
-        dep = _wait("hero-run deployment", deployment, 120, procs)
+        dep = _wait("hero-run deployment", lambda: _deployment(api, "hero-run"), 120, procs)
         assert dep["parameters"]["params"]["stages"] == TINY_STAGES
         ui_started = time.monotonic()
 
