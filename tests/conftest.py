@@ -71,6 +71,30 @@ def vllm_server(cpu_cfg, smol_model, tmp_path_factory):
 
 
 @pytest.fixture
+def scripted():
+    """TEST DOUBLE for what vLLM cannot be made to do (answer 429/5xx on cue, a 200 that is not JSON,
+    token ids that are not its tokenizer's): start tests/fakes/scripted_server.py with a status script."""
+    import subprocess
+
+    from eagle3.serving.readiness import free_port
+
+    procs = []
+
+    def start(statuses: str) -> str:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, str(FAKES / "scripted_server.py"), str(port), statuses],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        procs.append(proc)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
 def fake_systemd(tmp_path, monkeypatch):
     """Put the stand-in systemctl/journalctl first on PATH (no systemd runs here)."""
     state = tmp_path / "systemd"

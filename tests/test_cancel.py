@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from eagle3.generate.storage import iter_samples
 from eagle3.serving.readiness import free_port
-from tests.conftest import CPU_PROFILE, ROOT
-from tests.test_faults import _pids_with_arg, write_prompts
+from tests.conftest import CPU_PROFILE
+from tests.test_faults import _pids_with_arg, sigterm_when, write_prompts
 from tests.test_ui_browser import _deployment, _start, _stop, _wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -49,19 +47,9 @@ def test_sigterm_of_verify_stops_its_server(trained_draft, tmp_path):
     argv = [sys.executable, "-m", "eagle3.cli", "verify", "-c", str(CPU_PROFILE), "--draft", str(trained_draft),
             "--out", str(tmp_path / "verify"), "--set", f"paths.runs_dir={tmp_path / 'runs'}",
             "--set", f"serve.port={port}", "--set", "verify.num_prompts=2", "--set", "verify.max_tokens=64"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while proc.poll() is None and not _server_up(port) and time.monotonic() < deadline:
-            time.sleep(0.3)
-        servers = _pids_with_arg("--port", str(port))
-        assert proc.poll() is None and servers, "verify must be running with its first server up"
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    returncode, err, _ = sigterm_when(argv, lambda: _server_up(port), port, 240,
+                                      "verify must be running with its first server up")
+    assert returncode == 128 + signal.SIGTERM, err
     assert "interrupted (SIGTERM): every server this command started was stopped" in " ".join(err.split()), err
     assert not _wait_gone(port, 10), "no process of verify's server is left"
 

@@ -27,7 +27,7 @@ from eagle3.generate.runner import generate
 from eagle3.generate.storage import ShardStore, iter_samples, latest_errors
 from eagle3.serving.process import group_members
 from eagle3.serving.readiness import free_port, probe, wait_until_ready
-from tests.conftest import CPU_PROFILE, FAKES, ROOT, gen_cfg
+from tests.conftest import CPU_PROFILE, ROOT, gen_cfg
 
 
 def write_prompts(path: Path, n: int) -> Path:
@@ -51,25 +51,6 @@ def write_generate_dir(root: Path, shards: list[list[bytes]], listed: int) -> Pa
 
 def line(record: dict) -> bytes:
     return json.dumps(record).encode() + b"\n"
-
-
-@pytest.fixture
-def scripted():
-    """TEST DOUBLE (see the module docstring): start tests/fakes/scripted_server.py with a status script."""
-    procs = []
-
-    def start(statuses: str) -> str:
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, str(FAKES / "scripted_server.py"), str(port), statuses],
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        procs.append(proc)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 # --- finding 2: a corrupt line no longer ends the reading ------------------------------------
@@ -282,6 +263,24 @@ def _pids_with_arg(*args: str) -> list[int]:
     return found
 
 
+def sigterm_when(argv: list[str], ready, port: int, timeout_s: float, what: str) -> tuple[int, str, list[int]]:
+    """Run a CLI command, SIGTERM it once ``ready()`` holds with its server (``--port port``) up;
+    (exit code, stderr, the server's pids at the signal)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None and not ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        servers = _pids_with_arg("--port", str(port))
+        assert proc.poll() is None and servers, what
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err, servers
+
+
 def test_a_server_dies_with_its_parent_after_kill_9(tmp_path):
     """kill -9 runs no cleanup at all: the child asked Linux for SIGTERM when its parent dies.
     (A real vLLM server is covered by the SIGTERM test; `sleep` stands in for its process here.)"""
@@ -307,22 +306,10 @@ def test_sigterm_stops_the_started_server_and_says_how_to_resume(smol_model, tmp
     argv = [sys.executable, "-m", "eagle3.cli", "generate", "-c", str(CPU_PROFILE), "--out", str(out),
             "--set", f"paths.runs_dir={tmp_path / 'runs'}", "--set", f"serve.port={port}",
             "--set", f"generate.dataset={data}", "--set", "generate.max_tokens=16", "--set", "generate.concurrency=4"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.exists() and sum(1 for _ in iter_samples(out, on_bad=lambda *_: None)) >= 3:
-                break
-            time.sleep(0.2)
-        servers = _pids_with_arg("--port", str(port))
-        assert proc.poll() is None and servers, "generate must be mid-run with its server up"
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    midrun = lambda: out.exists() and sum(1 for _ in iter_samples(out, on_bad=lambda *_: None)) >= 3  # noqa: E731
+    returncode, err, servers = sigterm_when(argv, midrun, port, 300, "generate must be mid-run with its server up")
     saved = sum(1 for _ in iter_samples(out))
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert returncode == 128 + signal.SIGTERM, err
     assert (f"interrupted (SIGTERM): every server this command started was stopped; {saved} samples are saved in "
             f"{out}. Rerun the same command to resume.") in " ".join(err.split()), err
     assert not any(group_members(pid) for pid in servers), "no process of the server's group is left"

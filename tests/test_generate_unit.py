@@ -2,8 +2,6 @@
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -12,7 +10,6 @@ from eagle3.generate.profile import pick_knee
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts, sample_id
 from eagle3.generate.storage import ShardStore, iter_samples, repair_jsonl
 from eagle3.serving.readiness import free_port
-from tests.conftest import FAKES
 
 
 def write_lines(path, lines):
@@ -102,24 +99,6 @@ def test_repair_keeps_complete_records(tmp_path):
     p.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a"')
     records, dropped = repair_jsonl(p)
     assert records == [{"a": 1}, {"a": 2}] and dropped == 4 and p.read_bytes() == b'{"a": 1}\n{"a": 2}\n'
-
-
-@pytest.fixture
-def scripted():
-    procs = []
-
-    def start(statuses: str) -> str:
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, str(FAKES / "scripted_server.py"), str(port), statuses],
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        procs.append(proc)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 def _send(url, policy):
