@@ -26,7 +26,7 @@ from eagle3.config import PipelineConfig
 from eagle3.errors import MissingSamples, NoResult, TokenIdMismatch, disk_full, is_disk_full
 from eagle3.extract.inputs import Example, iter_examples
 from eagle3.extract.storage import Sample, ShardWriter
-from eagle3.generate.storage import JsonlAppender, repair_jsonl, scan_samples, write_json_atomic
+from eagle3.generate.storage import JsonlAppender, SampleScan, repair_jsonl, scan_samples, write_json_atomic
 
 CONVENTION = ("vLLM: aux layer k is the INPUT of decoder layer k (= HF output_hidden_states[k], 0 = embeddings); "
               "final is the OUTPUT of the last decoder layer before the final norm")
@@ -107,11 +107,11 @@ class Reuse:
         return old
 
 
-def check_input(generate_dir: Path, gen_manifest: dict[str, Any]) -> list[tuple[str, str]]:
+def check_input(generate_dir: Path, gen_manifest: dict[str, Any]) -> SampleScan:
     """Compare the generate folder with its manifest before any model is loaded.
 
-    Returns the unreadable lines (recorded by the caller: they explain missing samples). Raises
-    MissingSamples when fewer samples are there than the manifest lists and no unreadable line
+    Returns the scan: the sample ids, and the unreadable lines (recorded by the caller: they
+    explain missing samples). Raises MissingSamples when fewer samples are there than the manifest lists and no unreadable line
     accounts for them (a shard deleted or cut short by hand, a copy that did not finish)."""
     scan = scan_samples(generate_dir)
     listed = int((gen_manifest.get("totals") or {}).get("samples", 0))
@@ -120,7 +120,7 @@ def check_input(generate_dir: Path, gen_manifest: dict[str, Any]) -> list[tuple[
             f"{generate_dir}: manifest.json lists {listed} samples, the shards hold {len(scan.ids)} "
             f"({len(scan.bad)} unreadable lines): a shard is missing or was cut. Restore it, or rerun generate "
             "into that folder (it requests only what is missing), then rerun extract")
-    return scan.bad
+    return scan
 
 
 class ErrorLog:
@@ -171,7 +171,7 @@ def _states(cfg: PipelineConfig, model_path: str, out_dir: Path,
         yield ex, hidden[:, : len(layers)].flatten(1), hidden[:, len(layers)]
 
 
-def _answer_examples(cfg: PipelineConfig, model_path: str, generate_dir: Path, done: set[str],
+def _answer_examples(cfg: PipelineConfig, model_path: str, generated: set[str], done: set[str],
                      stats: Counter) -> Iterator[Example | tuple[str, str]]:
     """``extract.dataset_answers`` examples (eagle3/extract/answers.py), cut like generate's."""
     from transformers import AutoTokenizer
@@ -180,7 +180,6 @@ def _answer_examples(cfg: PipelineConfig, model_path: str, generate_dir: Path, d
     from eagle3.extract.inputs import fit_example
 
     tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or model_path, trust_remote_code=cfg.target.trust_remote_code)
-    generated = set(scan_samples(generate_dir).ids)
     for ex in dataset_answer_examples(cfg, tok, generated, stats):
         if ex.id not in done:
             yield fit_example(ex, cfg.extract.max_seq_len, cfg.extract.truncation, cfg.target.vocab_size)
@@ -219,7 +218,8 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     generate_dir, out_dir = Path(generate_dir), Path(out_dir)
     gen_manifest = json.loads((generate_dir / "manifest.json").read_text())
     fingerprint = check_fingerprint(gen_manifest, model_path, cfg)
-    unreadable = check_input(generate_dir, gen_manifest)
+    scan = check_input(generate_dir, gen_manifest)
+    unreadable = scan.bad
     writer = ShardWriter(out_dir, e.storage_dtype, e.samples_per_shard)
     resumed_from = len(writer.done_ids)
     errors = ErrorLog(out_dir / "errors.jsonl")
@@ -240,7 +240,7 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
         items = iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids,
                               vocab_size=cfg.target.vocab_size, on_bad=lambda *_: None)
         if e.dataset_answers:
-            items = itertools.chain(items, _answer_examples(cfg, model_path, generate_dir, writer.done_ids,
+            items = itertools.chain(items, _answer_examples(cfg, model_path, scan.ids, writer.done_ids,
                                                             answer_stats))
         for item in items:
             if isinstance(item, tuple):
