@@ -20,7 +20,7 @@ UI_PORT ?= 4200
 TORCH_CPU ?= torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup venv vllm-env model demo test ui browser plan-kimi clean
+.PHONY: setup venv vllm-env model demo test lint fmt ui browser plan-kimi clean
 
 setup: venv vllm-env
 
@@ -45,8 +45,17 @@ model: venv
 demo: setup
 	$(PY) -m flows.hero_run --config $(PROFILE)
 
-test: setup browser
+test: setup browser lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Formatting and lint (settings in pyproject.toml); part of `make test`. `make fmt` applies them.
+lint: venv
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+
+fmt: venv
+	$(VENV)/bin/ruff format --quiet .
+	$(VENV)/bin/ruff check --quiet --fix .
 
 # Debian's Chromium for the browser test of the Prefect UI (Playwright drives it; Playwright's own
 # browser downloads are not used).

@@ -30,7 +30,11 @@ from eagle3.extract.storage import HiddenStateDataset
 def first_samples(gen_dir: Path, out: Path, n: int) -> Path:
     """A copy of a generate output with its first ``n`` samples (over all shards, in order)."""
     out.mkdir(parents=True)
-    rows = [line for shard in sorted(gen_dir.glob("samples-*.jsonl")) for line in shard.read_text().splitlines()]
+    rows = [
+        line
+        for shard in sorted(gen_dir.glob("samples-*.jsonl"))
+        for line in shard.read_text().splitlines()
+    ]
     (out / "samples-00000.jsonl").write_text("\n".join(rows[:n]) + "\n")
     m = json.loads((gen_dir / "manifest.json").read_text())
     m["totals"]["samples"] = n
@@ -48,7 +52,9 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     gen = (args.generate_dir or cfg.paths.stage_dir("generate")).resolve()
     if not (gen / "manifest.json").is_file():
-        raise SystemExit(f"{gen}: no generate output (run `make demo` first, or pass --generate-dir)")
+        raise SystemExit(
+            f"{gen}: no generate output (run `make demo` first, or pass --generate-dir)"
+        )
     total = json.loads((gen / "manifest.json").read_text())["totals"]["samples"]
     model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,15 +69,22 @@ def main() -> None:
         reuse_s = time.perf_counter() - t0
         a, b = HiddenStateDataset(root / "yesterday"), HiddenStateDataset(root / "reused")
         by_id = {b[i].id: b[i] for i in range(len(b))}
-        exact = all(torch.equal(a[i].aux, by_id[a[i].id].aux) and torch.equal(a[i].final, by_id[a[i].id].final)
-                    for i in range(len(a)))
+        exact = all(
+            torch.equal(a[i].aux, by_id[a[i].id].aux)
+            and torch.equal(a[i].final, by_id[a[i].id].final)
+            for i in range(len(a))
+        )
     run = reused["this_run"]
-    print(f"{cfg.name}: extract ({cfg.extract.backend} backend) of {fresh['samples']} samples, "
-          f"{fresh['tokens']} tokens, {args.new} of them new; {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"{time.strftime('%Y-%m-%d')}")
+    print(
+        f"{cfg.name}: extract ({cfg.extract.backend} backend) of {fresh['samples']} samples, "
+        f"{fresh['tokens']} tokens, {args.new} of them new; {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     print(f"  from scratch: {fresh_s:.2f} s")
-    print(f"  reusing yesterday's folder: {reuse_s:.2f} s ({run['stored']} computed, {run['reused']} copied, "
-          f"copies bit-identical: {exact})")
+    print(
+        f"  reusing yesterday's folder: {reuse_s:.2f} s ({run['stored']} computed, {run['reused']} copied, "
+        f"copies bit-identical: {exact})"
+    )
     print(f"  ratio: {fresh_s / reuse_s:.2f}x")
 
 

@@ -48,7 +48,12 @@ def processes(*needles: str) -> list[int]:
         if not entry.isdigit() or int(entry) in BASELINE or int(entry) == os.getpid():
             continue
         try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (
+                Path(f"/proc/{entry}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
         except OSError:
             continue
         if all(n in cmd for n in needles):
@@ -87,8 +92,12 @@ def kill_trial(args, sets: list[str], base_url: str, work: Path) -> dict:
     kills, finished_runs, orphans, seen = 0, 0, 0, set()
     while kills < args.kills:
         before = len(read_folder(out)[0]) if out.exists() else 0
-        proc = subprocess.Popen(cli(args.config, out, sets, base_url), cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cli(args.config, out, sets, base_url),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         while proc.poll() is None and (len(read_folder(out)[0]) if out.exists() else 0) <= before:
             time.sleep(0.05)  # wait until this run writes: the kill must land mid-run
         time.sleep(rng.uniform(0.0, args.max_kill_delay_s))
@@ -104,24 +113,48 @@ def kill_trial(args, sets: list[str], base_url: str, work: Path) -> dict:
         ids, _, _ = read_folder(out)
         seen |= set(ids)
         print(f"  kill {kills:2d}: {len(ids)} samples stored, orphans {len(left)}", flush=True)
-    done = subprocess.run(cli(args.config, out, sets, base_url), cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        cli(args.config, out, sets, base_url), cwd=ROOT, capture_output=True, text=True
+    )
     ids, unreadable, tokens = read_folder(out)
     reference = work / "reference"
-    subprocess.run(cli(args.config, reference, sets, base_url), cwd=ROOT, capture_output=True, text=True, check=True)
+    subprocess.run(
+        cli(args.config, reference, sets, base_url),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     ref_ids, _, ref_tokens = read_folder(reference)
-    return {"kills": kills, "runs_that_finished_before_their_kill": finished_runs, "final_exit": done.returncode,
-            "samples": len(set(ids)), "expected": len(set(ref_ids)), "lost": len(seen - set(ids)),
-            "missing_vs_uninterrupted": len(set(ref_ids) - set(ids)), "duplicated": len(ids) - len(set(ids)),
-            "unreadable_lines": unreadable,
-            "token_ids_differ_from_uninterrupted": sum(tokens.get(i) != t for i, t in ref_tokens.items()),
-            "orphaned_processes": orphans}
+    return {
+        "kills": kills,
+        "runs_that_finished_before_their_kill": finished_runs,
+        "final_exit": done.returncode,
+        "samples": len(set(ids)),
+        "expected": len(set(ref_ids)),
+        "lost": len(seen - set(ids)),
+        "missing_vs_uninterrupted": len(set(ref_ids) - set(ids)),
+        "duplicated": len(ids) - len(set(ids)),
+        "unreadable_lines": unreadable,
+        "token_ids_differ_from_uninterrupted": sum(
+            tokens.get(i) != t for i, t in ref_tokens.items()
+        ),
+        "orphaned_processes": orphans,
+    }
 
 
 def signal_trial(args, sets: list[str], work: Path, sig: int, when: str) -> dict:
     out = work / "signalled"
     port = free_port()
-    proc = subprocess.Popen(cli(args.config, out, [*sets, f"serve.port={port}", f"paths.runs_dir={work / 'runs'}"],
-                                None), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(
+            args.config, out, [*sets, f"serve.port={port}", f"paths.runs_dir={work / 'runs'}"], None
+        ),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     before = len(read_folder(out)[0]) if out.exists() else 0
     deadline = time.monotonic() + 600
     server: list[int] = []
@@ -139,10 +172,20 @@ def signal_trial(args, sets: list[str], work: Path, sig: int, when: str) -> dict
     exit_s = time.monotonic() - t0
     time.sleep(0.5)
     left = sorted({p for pid in server for p in group_members(pid)} | set(orphans_of_cli(work)))
-    message = next((ln for ln in err.splitlines() if ln.startswith("interrupted")), err.strip().splitlines()[-1:])
-    return {"signal": signal.Signals(sig).name, "when": when, "exit_code": proc.returncode,
-            "exit_s": round(exit_s, 1), "server_pids_seen": len(group), "samples_saved": len(read_folder(out)[0]),
-            "orphaned_processes": len(left), "message": message}
+    message = next(
+        (ln for ln in err.splitlines() if ln.startswith("interrupted")),
+        err.strip().splitlines()[-1:],
+    )
+    return {
+        "signal": signal.Signals(sig).name,
+        "when": when,
+        "exit_code": proc.returncode,
+        "exit_s": round(exit_s, 1),
+        "server_pids_seen": len(group),
+        "samples_saved": len(read_folder(out)[0]),
+        "orphaned_processes": len(left),
+        "message": message,
+    }
 
 
 def main() -> None:
@@ -159,29 +202,59 @@ def main() -> None:
     BASELINE.update(int(p) for p in os.listdir("/proc") if p.isdigit())
     work = Path(tempfile.mkdtemp(prefix="bench-faults-"))
     data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Give one short fact about the number {i}."}) + "\n"
-                            for i in range(args.prompts)))
-    sets = [f"generate.dataset={data}", "generate.num_samples=null", f"generate.max_tokens={args.max_tokens}",
-            "generate.concurrency=8", "generate.shard_size=50"]
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Give one short fact about the number {i}."}) + "\n"
+            for i in range(args.prompts)
+        )
+    )
+    sets = [
+        f"generate.dataset={data}",
+        "generate.num_samples=null",
+        f"generate.max_tokens={args.max_tokens}",
+        "generate.concurrency=8",
+        "generate.shard_size=50",
+    ]
     cfg = load_config(args.config)
-    model = str(prepare_model(cfg.paths.cache_dir, cfg.target.embedded_name)) if cfg.target.is_embedded else cfg.target.model
-    print(f"machine: {platform.node()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M')}; "
-          f"profile {cfg.name}; {args.prompts} prompts, max_tokens {args.max_tokens}; work {work}", flush=True)
+    model = (
+        str(prepare_model(cfg.paths.cache_dir, cfg.target.embedded_name))
+        if cfg.target.is_embedded
+        else cfg.target.model
+    )
+    print(
+        f"machine: {platform.node()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M')}; "
+        f"profile {cfg.name}; {args.prompts} prompts, max_tokens {args.max_tokens}; work {work}",
+        flush=True,
+    )
     results: dict = {}
     t0 = time.monotonic()
     with start_server(cfg, model, log_dir=work / "serve") as server:
         results["kill_9"] = kill_trial(args, sets, server.base_url, work)
         print(json.dumps(results["kill_9"]), flush=True)
         if not args.skip_signals:
-            results["signals"] = [signal_trial(args, sets, work, sig, when) for sig, when in
-                                  [(signal.SIGTERM, "starting"), (signal.SIGTERM, "mid-run"), (signal.SIGINT, "mid-run")]]
+            results["signals"] = [
+                signal_trial(args, sets, work, sig, when)
+                for sig, when in [
+                    (signal.SIGTERM, "starting"),
+                    (signal.SIGTERM, "mid-run"),
+                    (signal.SIGINT, "mid-run"),
+                ]
+            ]
             for r in results["signals"]:
                 print(json.dumps(r), flush=True)
-            done = subprocess.run(cli(args.config, work / "signalled", sets, server.base_url), cwd=ROOT,
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                cli(args.config, work / "signalled", sets, server.base_url),
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             ids, unreadable, _ = read_folder(work / "signalled")
-            results["signals_resumed"] = {"exit": done.returncode, "samples": len(set(ids)),
-                                          "duplicated": len(ids) - len(set(ids)), "unreadable_lines": unreadable}
+            results["signals_resumed"] = {
+                "exit": done.returncode,
+                "samples": len(set(ids)),
+                "duplicated": len(ids) - len(set(ids)),
+                "unreadable_lines": unreadable,
+            }
         shared = server.pid
     time.sleep(1)
     results["orphans_at_end"] = len(group_members(shared)) + len(orphans_of_cli(work))

@@ -43,17 +43,26 @@ def main() -> None:
     ap.add_argument("--set", "-s", dest="overrides", action="append", default=[])
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--prepare", action="store_true", help="run the hero run first if it has not finished")
+    ap.add_argument(
+        "--prepare", action="store_true", help="run the hero run first if it has not finished"
+    )
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     args = ap.parse_args()
-    params = HeroRunParams(profile=args.config, overrides=args.overrides, stages=args.stages.split(","))
+    params = HeroRunParams(
+        profile=args.config, overrides=args.overrides, stages=args.stages.split(",")
+    )
     cfg = load_params(params)
     last = cfg.paths.run_dir / "hero-run.json"
 
     from prefect.testing.utilities import prefect_test_harness
 
-    out: dict = {"profile": cfg.name, "run_dir": str(cfg.paths.run_dir), "machine": platform.machine(),
-                 "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    out: dict = {
+        "profile": cfg.name,
+        "run_dir": str(cfg.paths.run_dir),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     with prefect_test_harness(server_startup_timeout=120):
         summary = json.loads(last.read_text()) if last.is_file() else None
         if summary is None or summary.get("failed"):
@@ -63,8 +72,11 @@ def main() -> None:
             summary = hero_run(params)
             out["prepare_wall_s"] = round(time.perf_counter() - t0, 1)
         # the overhead comes from the last run in which stages ran (run this right after `make demo`)
-        out["stages_ran"] = {s: {k: c[k] for k in ("status", "task_wall_s", "lib_wall_s", "overhead_s")}
-                             for s, c in summary["stages"].items() if c["status"] == "ran"}
+        out["stages_ran"] = {
+            s: {k: c[k] for k in ("status", "task_wall_s", "lib_wall_s", "overhead_s")}
+            for s, c in summary["stages"].items()
+            if c["status"] == "ran"
+        }
 
         walls = []
         for _ in range(args.repeats):
@@ -91,11 +103,17 @@ def main() -> None:
         print("\nLast run in which stages ran: Prefect's overhead per stage")
         print("| stage | task wall | library call | Prefect overhead |\n|---|---|---|---|")
         for s, c in out["stages_ran"].items():
-            print(f"| {s} | {c['task_wall_s']:.2f} s | {c['lib_wall_s']:.2f} s | {c['overhead_s']:.3f} s |")
+            print(
+                f"| {s} | {c['task_wall_s']:.2f} s | {c['lib_wall_s']:.2f} s | {c['overhead_s']:.3f} s |"
+            )
     print("\nUnchanged rerun (every stage a cache hit, no server started)")
-    print(f"- CLI (`python -m flows.hero_run`, temporary Prefect server included): {out['cli_rerun_s']} s")
-    print(f"- in-process against a running Prefect server: median {statistics.median(walls):.2f} s "
-          f"({', '.join(f'{w:.2f}' for w in walls)})")
+    print(
+        f"- CLI (`python -m flows.hero_run`, temporary Prefect server included): {out['cli_rerun_s']} s"
+    )
+    print(
+        f"- in-process against a running Prefect server: median {statistics.median(walls):.2f} s "
+        f"({', '.join(f'{w:.2f}' for w in walls)})"
+    )
     print(f"- per cached stage (task call): {out['cached_task_wall_s']}")
     print(f"- the CLI's last line: {out['cli_last_line']}")
     if args.json:

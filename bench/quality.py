@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
 import shutil
 import sys
@@ -74,28 +73,51 @@ def cmd_prompts(a) -> None:
     tok = _tokenizer(cfg)
     stats = PromptStats()
     rows, long = [], 0
-    for p in iter_prompts(a.dataset, seed=0, exclude=exclusion_keys([], mt_bench=True), stats=stats):
+    for p in iter_prompts(
+        a.dataset, seed=0, exclude=exclusion_keys([], mt_bench=True), stats=stats
+    ):
         if not isinstance(p, Prompt):
             continue
-        ids = tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            p.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         if len(ids) > MAX_PROMPT:
             long += 1
             continue
         rows.append({"id": p.id, "prompt_token_ids": list(ids)})
-    held = rows[-a.heldout:]
+    held = rows[-a.heldout :]
     train = rows[: -a.heldout]
     with gzip.open(a.out, "wt") as f:
         for r in train:
             f.write(json.dumps({**r, "split": "train"}) + "\n")
         for r in held:
             f.write(json.dumps({**r, "split": "heldout"}) + "\n")
-    print(json.dumps({"prompts": len(rows), "train": len(train), "heldout": len(held), "too_long": long,
-                      "excluded": stats.excluded, "skipped": stats.skipped}))
+    print(
+        json.dumps(
+            {
+                "prompts": len(rows),
+                "train": len(train),
+                "heldout": len(held),
+                "too_long": long,
+                "excluded": stats.excluded,
+                "skipped": stats.skipped,
+            }
+        )
+    )
 
 
 @torch.no_grad()
-def hf_generate(model, prompts: list[list[int]], max_new: int, temperature: float, batch: int, eos: int, pad: int,
-                seed: int = 0, log=print) -> list[tuple[list[int], str]]:
+def hf_generate(
+    model,
+    prompts: list[list[int]],
+    max_new: int,
+    temperature: float,
+    batch: int,
+    eos: int,
+    pad: int,
+    seed: int = 0,
+    log=print,
+) -> list[tuple[list[int], str]]:
     """(completion ids incl. the end-of-turn token, finish reason) per prompt, batched by length."""
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -108,11 +130,21 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, temperature: floa
         ids = torch.full((len(idx), L), pad, dtype=torch.long)
         att = torch.zeros((len(idx), L), dtype=torch.long)
         for j, i in enumerate(idx):  # left padding
-            ids[j, L - len(prompts[i]):] = torch.tensor(prompts[i])
-            att[j, L - len(prompts[i]):] = 1
-        kw = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
-        gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new,
-                             eos_token_id=eos, pad_token_id=pad, **kw)[:, L:].tolist()
+            ids[j, L - len(prompts[i]) :] = torch.tensor(prompts[i])
+            att[j, L - len(prompts[i]) :] = 1
+        kw = (
+            dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            if temperature > 0
+            else dict(do_sample=False)
+        )
+        gen = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=att.to(device),
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **kw,
+        )[:, L:].tolist()
         for j, i in enumerate(idx):
             g = gen[j]
             if eos in g:
@@ -140,11 +172,20 @@ def write_generate_folder(out: Path, samples: list[dict], settings: dict) -> Non
     with open(out / "samples-00000.jsonl", "w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
-    write_json_atomic(out / "manifest.json", {
-        "stage": "generate", "target": cfg.target.model, "config": settings,
-        "tokenizer_fingerprint": local_fingerprint(_tokenizer(cfg)),
-        "totals": {"samples": len(samples), "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples)},
-        "token_ids_source": "bench/quality.py (transformers generate)"})
+    write_json_atomic(
+        out / "manifest.json",
+        {
+            "stage": "generate",
+            "target": cfg.target.model,
+            "config": settings,
+            "tokenizer_fingerprint": local_fingerprint(_tokenizer(cfg)),
+            "totals": {
+                "samples": len(samples),
+                "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples),
+            },
+            "token_ids_source": "bench/quality.py (transformers generate)",
+        },
+    )
 
 
 def cmd_generate_hf(a) -> None:
@@ -155,17 +196,51 @@ def cmd_generate_hf(a) -> None:
     rows = [r for r in rows if r["split"] == a.split][: a.num or None]
     model = _load_lm(cfg, device)
     t0 = time.time()
-    res = hf_generate(model, [r["prompt_token_ids"] for r in rows], a.max_tokens, a.temperature, a.batch,
-                      tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id or 0, a.seed)
+    res = hf_generate(
+        model,
+        [r["prompt_token_ids"] for r in rows],
+        a.max_tokens,
+        a.temperature,
+        a.batch,
+        tok.convert_tokens_to_ids("<|im_end|>"),
+        tok.pad_token_id or 0,
+        a.seed,
+    )
     wall = time.time() - t0
-    samples = [{"id": r["id"], "prompt_token_ids": r["prompt_token_ids"], "completion_token_ids": c,
-                "finish_reason": fr, "token_ids_source": "hf-bench"} for r, (c, fr) in zip(rows, res)]
-    write_generate_folder(Path(a.out), samples, {"split": a.split, "max_tokens": a.max_tokens,
-                                                 "temperature": a.temperature, "seed": a.seed})
+    samples = [
+        {
+            "id": r["id"],
+            "prompt_token_ids": r["prompt_token_ids"],
+            "completion_token_ids": c,
+            "finish_reason": fr,
+            "token_ids_source": "hf-bench",
+        }
+        for r, (c, fr) in zip(rows, res)
+    ]
+    write_generate_folder(
+        Path(a.out),
+        samples,
+        {
+            "split": a.split,
+            "max_tokens": a.max_tokens,
+            "temperature": a.temperature,
+            "seed": a.seed,
+        },
+    )
     toks = sum(len(s["completion_token_ids"]) for s in samples)
     capped = sum(s["finish_reason"] == "length" for s in samples)
-    print(json.dumps({"samples": len(samples), "completion_tokens": toks, "at_cap": capped, "wall_s": round(wall, 1),
-                      "tokens_per_s": round(toks / wall), "device": device}))
+    print(
+        json.dumps(
+            {
+                "samples": len(samples),
+                "completion_tokens": toks,
+                "at_cap": capped,
+                "wall_s": round(wall, 1),
+                "tokens_per_s": round(toks / wall),
+                "device": device,
+            }
+        )
+    )
 
 
 def cmd_mtbench_hf(a) -> None:
@@ -185,16 +260,38 @@ def cmd_mtbench_hf(a) -> None:
         prompts = []
         for c, h in zip(convs, history):
             h.append({"role": "user", "content": c.turns[turn]})
-            prompts.append(list(tok.apply_chat_template(h, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=True)["input_ids"]))
+            prompts.append(
+                list(
+                    tok.apply_chat_template(
+                        h, add_generation_prompt=True, tokenize=True, return_dict=True
+                    )["input_ids"]
+                )
+            )
         res = hf_generate(model, prompts, a.max_tokens, 0.0, 160, eos, tok.pad_token_id or 0)
         for c, h, p, (comp, fr) in zip(convs, history, prompts, res):
             h.append({"role": "assistant", "content": tok.decode(comp, skip_special_tokens=True)})
-            samples.append({"id": f"mtbench-{c.id}-t{turn + 1}", "prompt_token_ids": p, "completion_token_ids": comp,
-                            "finish_reason": fr, "token_ids_source": "hf-bench"})
-    write_generate_folder(Path(a.out), samples, {"workload": "mt_bench", "turns": 2, "max_tokens": a.max_tokens,
-                                                 "temperature": 0.0})
-    print(json.dumps({"samples": len(samples), "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples)}))
+            samples.append(
+                {
+                    "id": f"mtbench-{c.id}-t{turn + 1}",
+                    "prompt_token_ids": p,
+                    "completion_token_ids": comp,
+                    "finish_reason": fr,
+                    "token_ids_source": "hf-bench",
+                }
+            )
+    write_generate_folder(
+        Path(a.out),
+        samples,
+        {"workload": "mt_bench", "turns": 2, "max_tokens": a.max_tokens, "temperature": 0.0},
+    )
+    print(
+        json.dumps(
+            {
+                "samples": len(samples),
+                "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples),
+            }
+        )
+    )
 
 
 def cmd_answers(a) -> None:
@@ -214,11 +311,25 @@ def cmd_answers(a) -> None:
     samples = []
     for ex in dataset_answer_examples(cfg, _tokenizer(cfg), skip, stats):
         p = ex.loss_mask.index(1)
-        samples.append({"id": ex.id, "prompt_token_ids": ex.input_ids[:p], "completion_token_ids": ex.input_ids[p:],
-                        "finish_reason": "stop", "token_ids_source": "dataset-answer"})
+        samples.append(
+            {
+                "id": ex.id,
+                "prompt_token_ids": ex.input_ids[:p],
+                "completion_token_ids": ex.input_ids[p:],
+                "finish_reason": "stop",
+                "token_ids_source": "dataset-answer",
+            }
+        )
     write_generate_folder(Path(a.out), samples, {"source": a.dataset, "dataset_answers": a.num})
-    print(json.dumps({"samples": len(samples), "rows_not_taken": dict(stats),
-                      "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples)}))
+    print(
+        json.dumps(
+            {
+                "samples": len(samples),
+                "rows_not_taken": dict(stats),
+                "completion_tokens": sum(len(s["completion_token_ids"]) for s in samples),
+            }
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +345,10 @@ def extract_folder(gen: Path, out: Path, overrides: list[str] = ()) -> Path:
         return out
     t0 = time.time()
     m = extract(cfg, gen, out, str(_target(cfg)))
-    print(f"extract {gen} -> {out}: {m['samples']} samples, {m['tokens']} tokens, {time.time() - t0:.0f} s", flush=True)
+    print(
+        f"extract {gen} -> {out}: {m['samples']} samples, {m['tokens']} tokens, {time.time() - t0:.0f} s",
+        flush=True,
+    )
     return out
 
 
@@ -253,7 +367,9 @@ def subset_folder(full: Path, gen: Path, n: int, out: Path) -> Path:
         os.symlink(shard.resolve(), out / shard.name)
     (out / "index.json").write_text(json.dumps({i: index[i] for i in keep}))
     manifest = json.loads((full / "manifest.json").read_text())
-    manifest.update(samples=len(keep), subset_of=str(full))  # train checks the count against the index
+    manifest.update(
+        samples=len(keep), subset_of=str(full)
+    )  # train checks the count against the index
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
 
@@ -271,9 +387,13 @@ def subset_vocab(extract_dir: Path, out: Path, draft_vocab_size: int, target_voc
             from safetensors import safe_open
 
             f = safe_open(str(extract_dir / shard), framework="pt")
-            h[shard] = (f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("offsets"))
+            h[shard] = (
+                f.get_tensor("input_ids"),
+                f.get_tensor("loss_mask"),
+                f.get_tensor("offsets"),
+            )
         ids, mask, off = h[shard]
-        pairs.append((ids[off[pos]:off[pos + 1]], mask[off[pos]:off[pos + 1]]))
+        pairs.append((ids[off[pos] : off[pos + 1]], mask[off[pos] : off[pos + 1]]))
     m = build_vocab(count_tokens(pairs, target_vocab), draft_vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     save_vocab(m, out / "vocab.safetensors")
@@ -281,11 +401,22 @@ def subset_vocab(extract_dir: Path, out: Path, draft_vocab_size: int, target_voc
 
 
 @torch.no_grad()
-def evaluate(draft_dir: Path, eval_extract: Path, target_dir: Path, k: int, device: str,
-             token_budget: int = 32768) -> dict:
+def evaluate(
+    draft_dir: Path,
+    eval_extract: Path,
+    target_dir: Path,
+    k: int,
+    device: str,
+    token_budget: int = 32768,
+) -> dict:
     """Offline acceptance of the draft on stored target states (the whole eval set)."""
     from eagle3.extract.storage import HiddenStateDataset
-    from eagle3.verify.offline import chain_accepts, load_draft_for_eval, summarize_chains, walk_chains
+    from eagle3.verify.offline import (
+        chain_accepts,
+        load_draft_for_eval,
+        summarize_chains,
+        walk_chains,
+    )
 
     draft, d2t = load_draft_for_eval(draft_dir, target_dir, device)
     ds = HiddenStateDataset(eval_extract, dtype=torch.float32)
@@ -338,7 +469,11 @@ def cmd_run(a) -> None:
     if a.only_extract:
         return
     out = Path(a.out)
-    done = {json.loads(line)["name"] for line in out.read_text().splitlines()} if out.is_file() else set()
+    done = (
+        {json.loads(line)["name"] for line in out.read_text().splitlines()}
+        if out.is_file()
+        else set()
+    )
     base = {}
     for name, ex in evals.items():
         base[name] = ngram_baseline(ex, a.k)
@@ -356,9 +491,16 @@ def cmd_run(a) -> None:
             shutil.rmtree(ed / "train")
         m = train(cfg, sub, vocab, target, ed / "train", device=device)
         wall = time.time() - t0
-        row = {"name": exp["name"], "samples": len(json.loads((sub / "index.json").read_text())),
-               "set": overrides, "train_s": round(wall, 1), "steps": m["steps"], "final": m["final"],
-               "tokens": m["final"]["tokens"] if m["final"] else None, "device": device}
+        row = {
+            "name": exp["name"],
+            "samples": len(json.loads((sub / "index.json").read_text())),
+            "set": overrides,
+            "train_s": round(wall, 1),
+            "steps": m["steps"],
+            "final": m["final"],
+            "tokens": m["final"]["tokens"] if m["final"] else None,
+            "device": device,
+        }
         for name, ex in evals.items():
             row[name] = evaluate(ed / "train" / "vllm-draft", ex, target, a.k, device)
             row[f"{name}_ngram"] = base[name]
@@ -421,8 +563,14 @@ def cmd_plot(a) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
-    evals = sorted({k for r in rows for k, v in r.items()
-                    if isinstance(v, dict) and "acceptance_length" in v and not k.endswith("_ngram")})
+    evals = sorted(
+        {
+            k
+            for r in rows
+            for k, v in r.items()
+            if isinstance(v, dict) and "acceptance_length" in v and not k.endswith("_ngram")
+        }
+    )
     fig, ax = plt.subplots(figsize=(12, 5.5))
     styles = dict(zip(evals, ("o-", "s--", "^:", "d-.")))
     series: dict[str, list[dict]] = {}
@@ -436,12 +584,21 @@ def cmd_plot(a) -> None:
     for ev in evals:
         ng = next((r[f"{ev}_ngram"] for r in rows if r.get(f"{ev}_ngram")), None)
         if ng:
-            ax.axhline(ng["acceptance_length"], color="gray", ls=styles[ev][1:] or "-", lw=1,
-                       label=f"n-gram, simulated [{ev}]")
+            ax.axhline(
+                ng["acceptance_length"],
+                color="gray",
+                ls=styles[ev][1:] or "-",
+                lw=1,
+                label=f"n-gram, simulated [{ev}]",
+            )
     if a.demo:
         ax.plot([40], [a.demo], "r*", ms=12, label="make demo's draft (vLLM, MT-bench 10 x 2)")
-    ax.set(xscale="log", xlabel="training samples (ShareGPT first turns; answers: the target's own, then ShareGPT's)",
-           ylabel="acceptance length (k = 3, greedy)", title="Draft acceptance vs data (offline estimate)")
+    ax.set(
+        xscale="log",
+        xlabel="training samples (ShareGPT first turns; answers: the target's own, then ShareGPT's)",
+        ylabel="acceptance length (k = 3, greedy)",
+        title="Draft acceptance vs data (offline estimate)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
@@ -450,7 +607,9 @@ def cmd_plot(a) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prompts")
     p.add_argument("--dataset", default="embedded:sharegpt")
@@ -478,7 +637,9 @@ def main() -> None:
     p.add_argument("--train-gen", required=True)
     p.add_argument("--eval", action="append", default=[], help="NAME=GENERATE_DIR")
     p.add_argument("--work", required=True)
-    p.add_argument("--exp", action="append", default=[], help='JSON: {"name", "samples", "set": [...]}')
+    p.add_argument(
+        "--exp", action="append", default=[], help='JSON: {"name", "samples", "set": [...]}'
+    )
     p.add_argument("--set", action="append", help="overrides for every experiment")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--keep-draft", default="")
@@ -505,9 +666,17 @@ def main() -> None:
     p.add_argument("png")
     p.add_argument("--demo", type=float, default=None)
     a = ap.parse_args()
-    {"prompts": cmd_prompts, "generate-hf": cmd_generate_hf, "mtbench-hf": cmd_mtbench_hf, "run": cmd_run,
-     "plot": cmd_plot, "extract": cmd_extract, "eval": cmd_eval,
-     "combine": cmd_combine, "answers": cmd_answers}[a.cmd](a)
+    {
+        "prompts": cmd_prompts,
+        "generate-hf": cmd_generate_hf,
+        "mtbench-hf": cmd_mtbench_hf,
+        "run": cmd_run,
+        "plot": cmd_plot,
+        "extract": cmd_extract,
+        "eval": cmd_eval,
+        "combine": cmd_combine,
+        "answers": cmd_answers,
+    }[a.cmd](a)
 
 
 if __name__ == "__main__":

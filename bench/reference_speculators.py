@@ -155,8 +155,14 @@ def extract_aux_layers(extract: Path) -> list[int]:
     return [int(x) for x in layers]
 
 
-def convert(extract: Path, vocab_path: Path, data_dir: Path, *, val_copies: int = DEFAULT_VAL_COPIES,
-            total_seq_len: int | None = None) -> dict[str, Any]:
+def convert(
+    extract: Path,
+    vocab_path: Path,
+    data_dir: Path,
+    *,
+    val_copies: int = DEFAULT_VAL_COPIES,
+    total_seq_len: int | None = None,
+) -> dict[str, Any]:
     """Write ``data_dir`` in speculators' format (module docstring); returns what was written."""
     import numpy as np
     import torch
@@ -187,11 +193,18 @@ def convert(extract: Path, vocab_path: Path, data_dir: Path, *, val_copies: int 
         t = len(s)
         h = s.final.shape[-1]
         if s.aux.shape[-1] != len(aux_layers) * h:
-            raise SystemExit(f"sample {s.id}: aux width {s.aux.shape[-1]} != {len(aux_layers)} x {h}")
+            raise SystemExit(
+                f"sample {s.id}: aux width {s.aux.shape[-1]} != {len(aux_layers)} x {h}"
+            )
         hidden = h
         states = torch.cat([s.aux.reshape(t, len(aux_layers), h), s.final.reshape(t, 1, h)], dim=1)
-        save_file({"hidden_states": states.to(torch.bfloat16).contiguous(),
-                   "token_ids": s.input_ids.to(torch.int64).contiguous()}, str(hs_dir / f"hs_{i}.safetensors"))
+        save_file(
+            {
+                "hidden_states": states.to(torch.bfloat16).contiguous(),
+                "token_ids": s.input_ids.to(torch.int64).contiguous(),
+            },
+            str(hs_dir / f"hs_{i}.safetensors"),
+        )
         rows["input_ids"].append(s.input_ids.to(torch.int64).tolist())
         rows["loss_mask"].append(s.loss_mask.to(torch.int64).tolist())
         rows["seq_len"].append(t)
@@ -199,8 +212,10 @@ def convert(extract: Path, vocab_path: Path, data_dir: Path, *, val_copies: int 
         loss_tokens += int(s.loss_mask.sum())
         longest = max(longest, t)
     if total_seq_len is not None and longest > total_seq_len:
-        raise SystemExit(f"the longest sample has {longest} tokens > --total-seq-len {total_seq_len}: "
-                         "speculators' packer would drop it")
+        raise SystemExit(
+            f"the longest sample has {longest} tokens > --total-seq-len {total_seq_len}: "
+            "speculators' packer would drop it"
+        )
     # The validation split speculators insists on: copies of the first samples, after all N.
     k = max(1, min(val_copies, n))
     for j in range(k):
@@ -214,20 +229,35 @@ def convert(extract: Path, vocab_path: Path, data_dir: Path, *, val_copies: int 
     # An explicit fingerprint: Dataset.from_dict would hash the in-memory Arrow table with dill,
     # which failed in a GPU-like layout (PicklingError on pyarrow's MonthDayNano); nothing here
     # needs datasets' content hash (no cache is used).
-    fingerprint = hashlib.sha256((extract / "index.json").read_bytes() + vocab_path.read_bytes()[:1 << 20]
-                                 + str(k).encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(
+        (extract / "index.json").read_bytes() + vocab_path.read_bytes()[: 1 << 20] + str(k).encode()
+    ).hexdigest()[:16]
     d = Dataset(InMemoryTable.from_pydict(rows), fingerprint=fingerprint)
     d.set_format(type="torch")
     d.save_to_disk(str(data_dir))
     np.save(data_dir / "d2t.npy", vocab.d2t.to(torch.int64).numpy())
     np.save(data_dir / "t2d.npy", vocab.t2d.to(torch.bool).numpy())
-    info = {"samples": n, "val_copies": k, "train_data_ratio": ratio, "tokens": tokens, "loss_tokens": loss_tokens,
-            "longest": longest, "hidden_size": hidden, "aux_layers": aux_layers,
-            "draft_vocab_size": vocab.draft_vocab_size, "target_vocab_size": vocab.target_vocab_size,
-            "extract": str(extract), "vocab": str(vocab_path), "convert_s": round(time.time() - t0, 2)}
+    info = {
+        "samples": n,
+        "val_copies": k,
+        "train_data_ratio": ratio,
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "longest": longest,
+        "hidden_size": hidden,
+        "aux_layers": aux_layers,
+        "draft_vocab_size": vocab.draft_vocab_size,
+        "target_vocab_size": vocab.target_vocab_size,
+        "extract": str(extract),
+        "vocab": str(vocab_path),
+        "convert_s": round(time.time() - t0, 2),
+    }
     (data_dir / "eagle3-convert.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"convert: {n} samples ({tokens} tokens, {loss_tokens} with loss, longest {longest}) + {k} validation "
-          f"copies -> {data_dir} in {info['convert_s']} s", flush=True)
+    print(
+        f"convert: {n} samples ({tokens} tokens, {loss_tokens} with loss, longest {longest}) + {k} validation "
+        f"copies -> {data_dir} in {info['convert_s']} s",
+        flush=True,
+    )
     return info
 
 
@@ -258,13 +288,18 @@ class _MetricsFile(logging.Handler):
             if step % self.every == 0:
                 tr = msg["train"]
                 accs = " ".join(f"{tr[k]:.3f}" for k in sorted(tr) if k.startswith("full_acc_"))
-                print(f"  step {step} epoch {msg.get('epoch')} lr {msg.get('lr')} loss {tr.get('loss', float('nan')):.4f} "
-                      f"full_acc {accs}", flush=True)
+                print(
+                    f"  step {step} epoch {msg.get('epoch')} lr {msg.get('lr')} loss {tr.get('loss', float('nan')):.4f} "
+                    f"full_acc {accs}",
+                    flush=True,
+                )
         elif "val" in msg:
             v = msg["val"]
             accs = " ".join(f"{v[k]:.3f}" for k in sorted(v) if k.startswith("full_acc_"))
-            print(f"  validation epoch {msg.get('epoch')}: loss {v.get('loss_epoch', float('nan')):.4f} full_acc {accs}",
-                  flush=True)
+            print(
+                f"  validation epoch {msg.get('epoch')}: loss {v.get('loss_epoch', float('nan')):.4f} full_acc {accs}",
+                flush=True,
+            )
 
 
 def _setup_logging(out: Path, every: int) -> _MetricsFile:
@@ -274,7 +309,9 @@ def _setup_logging(out: Path, every: int) -> _MetricsFile:
     for h in list(root.handlers):
         root.removeHandler(h)
     console = logging.StreamHandler(sys.stdout)
-    console.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
+    console.setFormatter(
+        logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S")
+    )
     console.addFilter(lambda r: not isinstance(r.msg, dict))
     root.addHandler(console)
     metrics = _MetricsFile(out / "metrics.jsonl", every)
@@ -288,41 +325,66 @@ def _patch_for_cpu() -> None:
     checkpoints onto "cuda:0" when there is no accelerator, and its step timer calls
     ``torch.accelerator.synchronize()``, which raises without one: point the first two at the CPU
     and make the third a no-op (nothing to wait for on the CPU). Only without an accelerator."""
-    import torch
     import speculators.train.checkpointer as checkpointer
     import speculators.train.trainer as trainer
+    import torch
 
     trainer.get_local_rank = lambda: "cpu"  # type: ignore[assignment]
     checkpointer.get_current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.accelerator.synchronize = lambda *_a, **_k: None  # type: ignore[assignment]
 
 
-def speculators_argv(a: argparse.Namespace, info: dict[str, Any], data_dir: Path, ckpt_dir: Path, cpu: bool) -> list[str]:
+def speculators_argv(
+    a: argparse.Namespace, info: dict[str, Any], data_dir: Path, ckpt_dir: Path, cpu: bool
+) -> list[str]:
     argv = [
-        "--speculator-type", "eagle3",
-        "--verifier-name-or-path", str(a.target),
-        "--data-path", str(data_dir),
-        "--hidden-states-backend", "file",
-        "--on-missing", "raise",  # never try to reach a vLLM server for a missing sample
-        "--train-data-ratio", repr(info["train_data_ratio"]),
-        "--save-path", str(ckpt_dir),
-        "--log-dir", str(a.out / "logs"),
+        "--speculator-type",
+        "eagle3",
+        "--verifier-name-or-path",
+        str(a.target),
+        "--data-path",
+        str(data_dir),
+        "--hidden-states-backend",
+        "file",
+        "--on-missing",
+        "raise",  # never try to reach a vLLM server for a missing sample
+        "--train-data-ratio",
+        repr(info["train_data_ratio"]),
+        "--save-path",
+        str(ckpt_dir),
+        "--log-dir",
+        str(a.out / "logs"),
         "--no-resume-from-checkpoint",
-        "--draft-vocab-size", str(info["draft_vocab_size"]),
-        "--d2t-path", str(data_dir / "d2t.npy"),
-        "--t2d-path", str(data_dir / "t2d.npy"),
-        "--target-layer-ids", *[str(x) for x in info["aux_layers"]],
-        "--full-attention-indices", "0",
-        "--total-seq-len", str(a.total_seq_len),
-        "--epochs", str(a.epochs),
-        "--lr", repr(a.lr),
-        "--ttt-steps", str(a.ttt_steps),
-        "--ttt-step-loss-decay", repr(a.ttt_decay),
-        "--optimizer", a.optimizer,
-        "--scheduler-type", a.scheduler,
-        "--seed", str(a.seed),
-        "--num-workers", str(0 if cpu else a.num_workers),
-        "--log-freq", str(a.log_freq),
+        "--draft-vocab-size",
+        str(info["draft_vocab_size"]),
+        "--d2t-path",
+        str(data_dir / "d2t.npy"),
+        "--t2d-path",
+        str(data_dir / "t2d.npy"),
+        "--target-layer-ids",
+        *[str(x) for x in info["aux_layers"]],
+        "--full-attention-indices",
+        "0",
+        "--total-seq-len",
+        str(a.total_seq_len),
+        "--epochs",
+        str(a.epochs),
+        "--lr",
+        repr(a.lr),
+        "--ttt-steps",
+        str(a.ttt_steps),
+        "--ttt-step-loss-decay",
+        repr(a.ttt_decay),
+        "--optimizer",
+        a.optimizer,
+        "--scheduler-type",
+        a.scheduler,
+        "--seed",
+        str(a.seed),
+        "--num-workers",
+        str(0 if cpu else a.num_workers),
+        "--log-freq",
+        str(a.log_freq),
         "--norm-before-residual" if a.norm_before_residual else "--no-norm-before-residual",
     ]
     if a.arch == "eagle3":
@@ -334,7 +396,14 @@ def speculators_argv(a: argparse.Namespace, info: dict[str, Any], data_dir: Path
     if a.max_steps is not None:
         argv += ["--max-steps", str(a.max_steps)]
     if cpu:
-        argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32"]
+        argv += [
+            "--draft-attn-impl",
+            "sdpa",
+            "--loss-implementation",
+            "eager",
+            "--hidden-states-dtype",
+            "float32",
+        ]
     return argv + list(a.extra)
 
 
@@ -358,8 +427,13 @@ def train(a: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     train_s = time.time() - t0
-    return {"argv": argv, "device": "cuda" if not cpu else "cpu", "train_s": round(train_s, 2),
-            "last_train_metrics": metrics.last, "resolved": cfg.model_dump(mode="json")}
+    return {
+        "argv": argv,
+        "device": "cuda" if not cpu else "cpu",
+        "train_s": round(train_s, 2),
+        "last_train_metrics": metrics.last,
+        "resolved": cfg.model_dump(mode="json"),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +442,11 @@ def train(a: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def last_checkpoint(ckpt_dir: Path) -> Path:
-    epochs = [int(d.name) for d in ckpt_dir.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
+    epochs = [
+        int(d.name)
+        for d in ckpt_dir.iterdir()
+        if d.is_dir() and not d.is_symlink() and d.name.isdigit()
+    ]
     if not epochs:
         raise SystemExit(f"{ckpt_dir}: no epoch checkpoint")
     path = ckpt_dir / str(max(epochs))
@@ -391,23 +469,36 @@ def to_eagle3_draft(ckpt: Path, target: Path, vocab_path: Path, aux_layers: list
         raise SystemExit(f"{ckpt}: not an eagle3 speculators checkpoint")
     extra = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if conf.get(f)]
     if extra:
-        raise SystemExit(f"{ckpt}: trained with {extra} (speculators' eagle3 defaults), which eagle3/draft/llama.py does "
-                         "not implement, so eagle3.verify.offline cannot score it; vLLM 0.32 serves the speculators "
-                         f"checkpoint itself ({ckpt}). Train with --arch eagle3 for a draft both evaluations read.")
+        raise SystemExit(
+            f"{ckpt}: trained with {extra} (speculators' eagle3 defaults), which eagle3/draft/llama.py does "
+            "not implement, so eagle3.verify.offline cannot score it; vLLM 0.32 serves the speculators "
+            f"checkpoint itself ({ckpt}). Train with --arch eagle3 for a draft both evaluations read."
+        )
     tl = conf["transformer_layer_config"]
     if int(tl.get("num_hidden_layers", 1)) != 1:
         raise SystemExit(f"{ckpt}: {tl.get('num_hidden_layers')} draft layers; our format has one")
     layer_types = tl.get("layer_types") or []
     if "sliding_attention" in layer_types:
-        print(f"export: warning: the draft layer was trained with a {tl.get('sliding_window')}-token sliding window; "
-              "our format has full attention (the same for shorter sequences)", flush=True)
+        print(
+            f"export: warning: the draft layer was trained with a {tl.get('sliding_window')}-token sliding window; "
+            "our format has full attention (the same for shorter sequences)",
+            flush=True,
+        )
     vocab = load_vocab(vocab_path)
-    cfg = DraftConfig.from_target(target, vocab.draft_vocab_size, aux_layers,
-                                  norm_before_residual=bool(conf.get("norm_before_residual", False)))
-    for ours, theirs in (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_size"),
-                         ("num_attention_heads", "num_attention_heads"),
-                         ("num_key_value_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
-                         ("vocab_size", "vocab_size")):
+    cfg = DraftConfig.from_target(
+        target,
+        vocab.draft_vocab_size,
+        aux_layers,
+        norm_before_residual=bool(conf.get("norm_before_residual", False)),
+    )
+    for ours, theirs in (
+        ("hidden_size", "hidden_size"),
+        ("intermediate_size", "intermediate_size"),
+        ("num_attention_heads", "num_attention_heads"),
+        ("num_key_value_heads", "num_key_value_heads"),
+        ("head_dim", "head_dim"),
+        ("vocab_size", "vocab_size"),
+    ):
         a_, b_ = getattr(cfg, ours), tl.get(theirs)
         if b_ is not None and int(a_) != int(b_):
             raise SystemExit(f"{ckpt}: {theirs} {b_} != our draft's {a_}")
@@ -417,25 +508,40 @@ def to_eagle3_draft(ckpt: Path, target: Path, vocab_path: Path, aux_layers: list
     if theirs_theta is not None and not math.isclose(float(theirs_theta), cfg.rope_theta):
         raise SystemExit(f"{ckpt}: rope_theta {theirs_theta} != {cfg.rope_theta}")
     if int(conf["draft_vocab_size"]) != cfg.draft_vocab_size:
-        raise SystemExit(f"{ckpt}: draft vocab {conf['draft_vocab_size']} != {cfg.draft_vocab_size}")
+        raise SystemExit(
+            f"{ckpt}: draft vocab {conf['draft_vocab_size']} != {cfg.draft_vocab_size}"
+        )
     if list(conf.get("eagle_aux_hidden_state_layer_ids") or aux_layers) != aux_layers:
-        raise SystemExit(f"{ckpt}: aux layers {conf.get('eagle_aux_hidden_state_layer_ids')} != {aux_layers}")
+        raise SystemExit(
+            f"{ckpt}: aux layers {conf.get('eagle_aux_hidden_state_layer_ids')} != {aux_layers}"
+        )
 
     tensors = load_file(str(ckpt / "model.safetensors"))
     d2t, t2d = tensors.pop("d2t"), tensors.pop("t2d")
-    if not torch.equal(d2t.to(torch.int64), vocab.d2t.to(torch.int64)) or not torch.equal(t2d.bool(), vocab.t2d.bool()):
+    if not torch.equal(d2t.to(torch.int64), vocab.d2t.to(torch.int64)) or not torch.equal(
+        t2d.bool(), vocab.t2d.bool()
+    ):
         raise SystemExit(f"{ckpt}: d2t/t2d differ from {vocab_path}")
     embed = tensors.pop("embed_tokens.weight", None)
-    if embed is not None:  # frozen copy of the target's: check, do not export (vLLM shares the target's)
+    if (
+        embed is not None
+    ):  # frozen copy of the target's: check, do not export (vLLM shares the target's)
         ref = load_target_tensor(target, EMBED_NAMES)
         if not torch.allclose(embed.float(), ref.float(), atol=1e-2, rtol=1e-2):
             raise SystemExit(f"{ckpt}: embed_tokens differs from the target's")
-    state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    state = {
+        ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+        for k, v in tensors.items()
+    }
     model = Eagle3Draft(cfg)
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() for k, v in state.items()}, strict=False
+    )
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
-        raise SystemExit(f"{ckpt}: weights do not map onto our draft: missing {missing}, unexpected {unexpected}")
+        raise SystemExit(
+            f"{ckpt}: weights do not map onto our draft: missing {missing}, unexpected {unexpected}"
+        )
     return model, cfg, vocab, conf
 
 
@@ -449,24 +555,32 @@ def export(a: argparse.Namespace, aux_layers: list[int]) -> dict[str, Any]:
     if extra:  # --arch eagle31: nothing our format holds; the speculators checkpoint is the result
         if out.exists():
             shutil.rmtree(out)
-        msg = (f"not exported: trained with {extra}, which eagle3/draft/llama.py does not implement (so "
-               f"eagle3.verify.offline cannot score it); vLLM 0.32 serves the speculators checkpoint {ckpt} itself")
+        msg = (
+            f"not exported: trained with {extra}, which eagle3/draft/llama.py does not implement (so "
+            f"eagle3.verify.offline cannot score it); vLLM 0.32 serves the speculators checkpoint {ckpt} itself"
+        )
         print("export: " + msg, flush=True)
         return {"checkpoint": str(ckpt), "vllm_draft": None, "skipped": msg}
     model, cfg, vocab, conf = to_eagle3_draft(ckpt, a.target, a.vocab, aux_layers)
-    meta = {"trainer": "speculators", "speculators_checkpoint": str(ckpt),
-            "norm_before_residual": cfg.norm_before_residual}
+    meta = {
+        "trainer": "speculators",
+        "speculators_checkpoint": str(ckpt),
+        "norm_before_residual": cfg.norm_before_residual,
+    }
     export_vllm(model, cfg, vocab.d2t, vocab.t2d, out, metadata=meta)
     load_exported(out)  # reads back through the same loader the offline estimate uses
     print(f"export: {ckpt} -> {out}", flush=True)
     result: dict[str, Any] = {"checkpoint": str(ckpt), "vllm_draft": str(out)}
     if a.check_samples > 0:
-        result["equivalence"] = check_equivalence(ckpt, out, a.target, a.extract, a.check_samples, a.ttt_steps)
+        result["equivalence"] = check_equivalence(
+            ckpt, out, a.target, a.extract, a.check_samples, a.ttt_steps
+        )
     return result
 
 
-def check_equivalence(ckpt: Path, draft_dir: Path, target: Path, extract: Path, samples: int,
-                      ttt_steps: int) -> dict[str, Any]:
+def check_equivalence(
+    ckpt: Path, draft_dir: Path, target: Path, extract: Path, samples: int, ttt_steps: int
+) -> dict[str, Any]:
     """The converted draft must compute what speculators' model computes: run both (float32, CPU,
     eager) on the first samples of the extract, TTT-unrolled ``ttt_steps`` steps with ground-truth
     inputs, and compare the logits per step (speculators' via a hook on its lm_head)."""
@@ -496,28 +610,53 @@ def check_equivalence(ckpt: Path, draft_dir: Path, target: Path, extract: Path, 
             x, h = ids[1:][None], aux[:-1][None]  # speculators' shift_batch: (x_{t+1}, a_t)
             n = x.shape[1]
             captured.clear()
-            forward(ref, hidden_states=h, input_ids=x, document_ids=torch.zeros(1, n, dtype=torch.long),
-                    ttt_steps=ttt_steps)
+            forward(
+                ref,
+                hidden_states=h,
+                input_ids=x,
+                document_ids=torch.zeros(1, n, dtype=torch.long),
+                ttt_steps=ttt_steps,
+            )
             hidden, past = h, None
             pos = torch.arange(n)
             for i in range(ttt_steps):
                 xi = torch.cat([x[:, i:], x.new_zeros(1, i)], dim=1)
-                mask = None if i == 0 else torch.cat(
-                    [torch.ones(n, n, dtype=torch.bool).tril()] + [torch.eye(n, dtype=torch.bool)] * i, dim=1)
-                out, logits, kv = ours(xi, hidden, position_ids=pos + i, attn_mask=mask, past_kv=past, use_cache=True)
-                past = kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+                mask = (
+                    None
+                    if i == 0
+                    else torch.cat(
+                        [torch.ones(n, n, dtype=torch.bool).tril()]
+                        + [torch.eye(n, dtype=torch.bool)] * i,
+                        dim=1,
+                    )
+                )
+                out, logits, kv = ours(
+                    xi, hidden, position_ids=pos + i, attn_mask=mask, past_kv=past, use_cache=True
+                )
+                past = (
+                    kv
+                    if past is None
+                    else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+                )
                 hidden = out
                 valid = n - i  # positions whose inputs are real tokens
                 a_, b_ = logits[0, :valid], captured[i][0, :valid].float()
-                worst[i] = max(worst[i], float((a_ - b_).abs().max() / b_.abs().max().clamp(min=1e-6)))
+                worst[i] = max(
+                    worst[i], float((a_ - b_).abs().max() / b_.abs().max().clamp(min=1e-6))
+                )
                 agree[i][0] += int((a_.argmax(-1) == b_.argmax(-1)).sum())
                 agree[i][1] += valid
     hook.remove()
-    res = {"samples": min(samples, len(ds)), "max_rel_logit_diff_per_step": worst,
-           "argmax_agreement_per_step": [c / max(1, tot) for c, tot in agree]}
-    print(f"export check vs speculators' own forward: max |dlogit|/max|logit| per TTT step "
-          f"{[f'{w:.1e}' for w in worst]}, argmax agreement {[f'{v:.4f}' for v in res['argmax_agreement_per_step']]}",
-          flush=True)
+    res = {
+        "samples": min(samples, len(ds)),
+        "max_rel_logit_diff_per_step": worst,
+        "argmax_agreement_per_step": [c / max(1, tot) for c, tot in agree],
+    }
+    print(
+        f"export check vs speculators' own forward: max |dlogit|/max|logit| per TTT step "
+        f"{[f'{w:.1e}' for w in worst]}, argmax agreement {[f'{v:.4f}' for v in res['argmax_agreement_per_step']]}",
+        flush=True,
+    )
     if max(worst) > 1e-3:
         raise SystemExit("the converted draft does not compute what speculators' model computes")
     return res
@@ -544,7 +683,9 @@ def estimate(a: argparse.Namespace) -> dict[str, Any]:
     r = offline_acceptance(a.target, a.out / "vllm-draft", seqs, a.estimate_k, device=device)
     r["estimate_s"] = round(time.time() - t0, 2)
     r["generate_dir"] = str(a.estimate_generate_dir)
-    print("offline estimate (eagle3.verify.offline.offline_acceptance): " + json.dumps(r), flush=True)
+    print(
+        "offline estimate (eagle3.verify.offline.offline_acceptance): " + json.dumps(r), flush=True
+    )
     return r
 
 
@@ -565,8 +706,11 @@ def copy_results(out: Path, dest: Path, part_bytes: int = 15 << 20) -> None:
                 if not chunk:
                     break
                 (dest / f"vllm-draft.model.safetensors.part-{i:02d}").write_bytes(chunk)
-    what = "summary, metrics and the draft (config + weights in parts)" if (draft / "config.json").is_file() \
+    what = (
+        "summary, metrics and the draft (config + weights in parts)"
+        if (draft / "config.json").is_file()
         else "summary and metrics (no vllm-draft)"
+    )
     print(f"copied {what} to {dest}", flush=True)
 
 
@@ -576,48 +720,106 @@ def copy_results(out: Path, dest: Path, part_bytes: int = 15 << 20) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="More speculators train flags go after --, e.g. -- --muon-lr 0.02")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="More speculators train flags go after --, e.g. -- --muon-lr 0.02",
+    )
     p.add_argument("step", choices=("all", "convert", "train", "export", "estimate"))
-    p.add_argument("--extract", type=Path, required=True, help="our extract folder (hidden-*.safetensors + index.json)")
-    p.add_argument("--vocab", type=Path, required=True, help="our vocab file (vocab.safetensors, or its folder)")
-    p.add_argument("--target", type=Path, required=True, help="the target's checkpoint folder (config.json, weights)")
-    p.add_argument("--out", type=Path, required=True, help="output folder (data/, checkpoints/, vllm-draft/, ...)")
+    p.add_argument(
+        "--extract",
+        type=Path,
+        required=True,
+        help="our extract folder (hidden-*.safetensors + index.json)",
+    )
+    p.add_argument(
+        "--vocab",
+        type=Path,
+        required=True,
+        help="our vocab file (vocab.safetensors, or its folder)",
+    )
+    p.add_argument(
+        "--target",
+        type=Path,
+        required=True,
+        help="the target's checkpoint folder (config.json, weights)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="output folder (data/, checkpoints/, vllm-draft/, ...)",
+    )
     g = p.add_argument_group("training (defaults: speculators 0.9.0's)")
     g.add_argument("--epochs", type=int, default=20)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--ttt-steps", type=int, default=3)
-    g.add_argument("--ttt-decay", type=float, default=1.0, help="loss weight of TTT step i is decay**i")
-    g.add_argument("--total-seq-len", type=int, default=8192, help="tokens per packed row = per optimizer step")
+    g.add_argument(
+        "--ttt-decay", type=float, default=1.0, help="loss weight of TTT step i is decay**i"
+    )
+    g.add_argument(
+        "--total-seq-len", type=int, default=8192, help="tokens per packed row = per optimizer step"
+    )
     g.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
     g.add_argument("--scheduler", choices=("linear", "cosine", "none"), default="linear")
-    g.add_argument("--warmup-ratio", type=float, default=None, help="default: speculators' 1%% of the steps")
+    g.add_argument(
+        "--warmup-ratio", type=float, default=None, help="default: speculators' 1%% of the steps"
+    )
     g.add_argument("--weight-decay", type=float, default=None, help="AdamW group (default 0.01)")
-    g.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps (smoke tests)")
+    g.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop after this many optimizer steps (smoke tests)",
+    )
     g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--arch", choices=("eagle3", "eagle31"), default="eagle3",
-                   help="eagle3: norm_before_fc and norm_output off (what our model and evaluator hold); "
-                        "eagle31: speculators' defaults (not scorable by eagle3.verify.offline)")
-    g.add_argument("--norm-before-residual", action=argparse.BooleanOptionalAction, default=True,
-                   help="speculators' default True; our trainer's False")
-    g.add_argument("--num-workers", type=int, default=8, help="data loader workers on CUDA (CPU: 0)")
-    g.add_argument("--log-freq", type=int, default=10, help="speculators logs (and syncs) every N steps")
+    g.add_argument(
+        "--arch",
+        choices=("eagle3", "eagle31"),
+        default="eagle3",
+        help="eagle3: norm_before_fc and norm_output off (what our model and evaluator hold); "
+        "eagle31: speculators' defaults (not scorable by eagle3.verify.offline)",
+    )
+    g.add_argument(
+        "--norm-before-residual",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="speculators' default True; our trainer's False",
+    )
+    g.add_argument(
+        "--num-workers", type=int, default=8, help="data loader workers on CUDA (CPU: 0)"
+    )
+    g.add_argument(
+        "--log-freq", type=int, default=10, help="speculators logs (and syncs) every N steps"
+    )
     g.add_argument("--print-every", type=int, default=50, help="console line every N steps")
     g.add_argument("--val-copies", type=int, default=DEFAULT_VAL_COPIES)
-    g.add_argument("--check-samples", type=int, default=2,
-                   help="export: compare the converted draft with speculators' forward on N samples (0: skip)")
+    g.add_argument(
+        "--check-samples",
+        type=int,
+        default=2,
+        help="export: compare the converted draft with speculators' forward on N samples (0: skip)",
+    )
     e = p.add_argument_group("offline estimate (optional)")
-    e.add_argument("--estimate-generate-dir", type=Path, default=None,
-                   help="score the exported draft on these generated sequences (eagle3.verify.offline)")
+    e.add_argument(
+        "--estimate-generate-dir",
+        type=Path,
+        default=None,
+        help="score the exported draft on these generated sequences (eagle3.verify.offline)",
+    )
     e.add_argument("--estimate-max-sequences", type=int, default=32)
     e.add_argument("--estimate-k", type=int, default=3)
-    p.add_argument("--copy-to", type=Path, default=None,
-                   help="also copy summary.json, metrics.jsonl and the draft (weights in 15 MiB parts) here ($OUT)")
+    p.add_argument(
+        "--copy-to",
+        type=Path,
+        default=None,
+        help="also copy summary.json, metrics.jsonl and the draft (weights in 15 MiB parts) here ($OUT)",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:  # after --: more speculators train flags, passed as they are
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     a = p.parse_args(argv)
     a.extra = extra
     if a.vocab.is_dir():
@@ -634,14 +836,25 @@ def main(argv: list[str] | None = None) -> None:
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     aux_layers = extract_aux_layers(a.extract)
     if a.step in ("all", "convert"):
-        summary["convert"] = convert(a.extract, a.vocab, a.out / "data", val_copies=a.val_copies,
-                                     total_seq_len=a.total_seq_len)
+        summary["convert"] = convert(
+            a.extract,
+            a.vocab,
+            a.out / "data",
+            val_copies=a.val_copies,
+            total_seq_len=a.total_seq_len,
+        )
     if a.step in ("all", "train"):
-        info = summary.get("convert") or json.loads((a.out / "data" / "eagle3-convert.json").read_text())
+        info = summary.get("convert") or json.loads(
+            (a.out / "data" / "eagle3-convert.json").read_text()
+        )
         summary["train"] = train(a, info)
     if a.step in ("all", "export"):
         summary["export"] = export(a, aux_layers)
-    if a.step in ("all", "estimate") and a.estimate_generate_dir is not None and (a.out / "vllm-draft").is_dir():
+    if (
+        a.step in ("all", "estimate")
+        and a.estimate_generate_dir is not None
+        and (a.out / "vllm-draft").is_dir()
+    ):
         summary["estimate"] = estimate(a)
     from importlib.metadata import version
 
@@ -651,9 +864,16 @@ def main(argv: list[str] | None = None) -> None:
     if a.copy_to is not None:
         copy_results(a.out, a.copy_to)
     train_s = summary.get("train", {}).get("train_s")
-    result = a.out / "vllm-draft" if (a.out / "vllm-draft").is_dir() else summary.get("export", {}).get("checkpoint")
-    print(f"REFERENCE step={a.step} wall_s={summary['wall_s']} train_s={train_s} out={result} "
-          f"summary={summary_path}", flush=True)
+    result = (
+        a.out / "vllm-draft"
+        if (a.out / "vllm-draft").is_dir()
+        else summary.get("export", {}).get("checkpoint")
+    )
+    print(
+        f"REFERENCE step={a.step} wall_s={summary['wall_s']} train_s={train_s} out={result} "
+        f"summary={summary_path}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ def measure(config: str, overrides: list[str], model: str) -> dict[str, float]:
     server = start_server(cfg, model, log_dir=tempfile.mkdtemp(prefix="bench-serve-"))
     start_s = time.perf_counter() - t0
     try:
-        first = chat(server.base_url, server.model, "Name a primary color.", max_tokens=16).latency_s
+        first = chat(
+            server.base_url, server.model, "Name a primary color.", max_tokens=16
+        ).latency_s
         warm = chat(server.base_url, server.model, "Name a primary color.", max_tokens=16).latency_s
     finally:
         t1 = time.perf_counter()
@@ -49,19 +51,30 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     args = ap.parse_args()
     cfg = load_config(args.config)
-    model = str(prepare_model(cfg.paths.cache_dir, cfg.target.embedded_name)) if cfg.target.is_embedded else cfg.target.model
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, "
-          f"{__import__('os').cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M')}; profile {cfg.name}")
+    model = (
+        str(prepare_model(cfg.paths.cache_dir, cfg.target.embedded_name))
+        if cfg.target.is_embedded
+        else cfg.target.model
+    )
+    print(
+        f"machine: {platform.node()} {platform.processor() or platform.machine()}, "
+        f"{__import__('os').cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M')}; profile {cfg.name}"
+    )
     results = {}
     for name in args.variants:
         runs = [measure(args.config, VARIANTS[name], model) for _ in range(args.repeats)]
         results[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"{name:18s} " + "  ".join(f"{k}={v:7.2f}" for k, v in results[name].items()), flush=True)
+        print(
+            f"{name:18s} " + "  ".join(f"{k}={v:7.2f}" for k, v in results[name].items()),
+            flush=True,
+        )
     if len(results) == 2:
         a, b = results.values()
-        print(f"ratio default/O0: start {b['start_s'] / a['start_s']:.2f}x, "
-              f"first request {b['first_request_s'] / a['first_request_s']:.2f}x, "
-              f"warm request {b['warm_request_s'] / a['warm_request_s']:.2f}x")
+        print(
+            f"ratio default/O0: start {b['start_s'] / a['start_s']:.2f}x, "
+            f"first request {b['first_request_s'] / a['first_request_s']:.2f}x, "
+            f"warm request {b['warm_request_s'] / a['warm_request_s']:.2f}x"
+        )
     print(json.dumps(results))
 
 

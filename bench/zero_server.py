@@ -11,19 +11,36 @@ import asyncio
 import json
 import sys
 
-BODY = json.dumps({
-    "id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": "zero",
-    "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [1, 2, 3, 4],
-                 "message": {"role": "assistant", "content": "ok", "reasoning": "r"}}],
-    "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
-    "prompt_token_ids": [9, 8, 7, 6, 5],
-}).encode()
-MODELS = json.dumps({"object": "list", "data": [{"id": "zero", "object": "model", "max_model_len": 4096}]}).encode()
+BODY = json.dumps(
+    {
+        "id": "chatcmpl-0",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "zero",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "token_ids": [1, 2, 3, 4],
+                "message": {"role": "assistant", "content": "ok", "reasoning": "r"},
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
+        "prompt_token_ids": [9, 8, 7, 6, 5],
+    }
+).encode()
+MODELS = json.dumps(
+    {"object": "list", "data": [{"id": "zero", "object": "model", "max_model_len": 4096}]}
+).encode()
 
 
 def response(body: bytes) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 class Handler(asyncio.Protocol):
@@ -56,7 +73,9 @@ class Handler(asyncio.Protocol):
 
 
 async def main(port: int) -> None:
-    server = await asyncio.get_running_loop().create_server(Handler, "127.0.0.1", port, backlog=4096)
+    server = await asyncio.get_running_loop().create_server(
+        Handler, "127.0.0.1", port, backlog=4096
+    )
     print(f"zero server on {port}", flush=True)
     async with server:
         await server.serve_forever()

@@ -51,18 +51,62 @@ INPUTS: dict[str, tuple[str, ...]] = {
     "verify": ("train",),
 }
 # Bump a stage's version when its code changes what it writes: its key and every later key change.
-CODE_VERSIONS: dict[str, str] = {"generate": "1", "extract": "1", "vocab": "1", "train": "1", "verify": "1"}
+CODE_VERSIONS: dict[str, str] = {
+    "generate": "1",
+    "extract": "1",
+    "vocab": "1",
+    "train": "1",
+    "verify": "1",
+}
 MARKER = "artifact.json"
 LATEST = "latest"
 
 # Settings that change how fast or where a stage runs, not what it produces.
-SERVE_RESULT_FIELDS = ("dtype", "max_model_len", "chat_template", "reasoning_parser", "tool_call_parser")
-SERVE_PERF_FIELDS = ("tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "extra_args", "env")
-GENERATE_EXCLUDED = {"endpoints", "balancing", "concurrency", "concurrency_ceiling", "timeout_s", "connect_timeout_s",
-                     "max_attempts", "backoff_base_s", "backoff_max_s", "retry_rejected", "shard_size",
-                     "profile_levels", "profile_prompts", "profile_max_tokens", "profile_knee"}
-EXTRACT_EXCLUDED = {"token_budget", "samples_per_shard", "chunk_samples", "device", "vllm_concurrency", "reuse_previous"}
-TRAIN_EXCLUDED = {"checkpoint_every_steps", "distributed", "grad_accum", "nproc_per_node"}  # see stage_config
+SERVE_RESULT_FIELDS = (
+    "dtype",
+    "max_model_len",
+    "chat_template",
+    "reasoning_parser",
+    "tool_call_parser",
+)
+SERVE_PERF_FIELDS = (
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "extra_args",
+    "env",
+)
+GENERATE_EXCLUDED = {
+    "endpoints",
+    "balancing",
+    "concurrency",
+    "concurrency_ceiling",
+    "timeout_s",
+    "connect_timeout_s",
+    "max_attempts",
+    "backoff_base_s",
+    "backoff_max_s",
+    "retry_rejected",
+    "shard_size",
+    "profile_levels",
+    "profile_prompts",
+    "profile_max_tokens",
+    "profile_knee",
+}
+EXTRACT_EXCLUDED = {
+    "token_budget",
+    "samples_per_shard",
+    "chunk_samples",
+    "device",
+    "vllm_concurrency",
+    "reuse_previous",
+}
+TRAIN_EXCLUDED = {
+    "checkpoint_every_steps",
+    "distributed",
+    "grad_accum",
+    "nproc_per_node",
+}  # see stage_config
 VERIFY_EXCLUDED = {"timeout_s", "speculative_base_url", "speculative_unit", "candidate_link"}
 
 
@@ -105,9 +149,14 @@ def stage_config(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
     serve = cfg.serve.model_dump(mode="json")
     if stage == "generate":
         g = cfg.generate.model_dump(mode="json", exclude=GENERATE_EXCLUDED)
-        g["exclude_files"] = [{"path": str(p), "sha": _file_digest(p)} for p in cfg.generate.exclude_files]
-        return {"target": target_identity(cfg), "generate": g,
-                "serve": {k: serve[k] for k in SERVE_RESULT_FIELDS}}
+        g["exclude_files"] = [
+            {"path": str(p), "sha": _file_digest(p)} for p in cfg.generate.exclude_files
+        ]
+        return {
+            "target": target_identity(cfg),
+            "generate": g,
+            "serve": {k: serve[k] for k in SERVE_RESULT_FIELDS},
+        }
     if stage == "extract":
         e = cfg.extract.model_dump(mode="json", exclude=EXTRACT_EXCLUDED)
         e["aux_layers"] = cfg.aux_layers  # resolved: the default depends on the target's depth
@@ -116,17 +165,25 @@ def stage_config(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
             out["serve"] = {k: serve[k] for k in ("dtype", "max_model_len")}
         return out
     if stage == "vocab":
-        return {"vocab": cfg.vocab.model_dump(mode="json"), "target_vocab_size": cfg.target.vocab_size}
+        return {
+            "vocab": cfg.vocab.model_dump(mode="json"),
+            "target_vocab_size": cfg.target.vocab_size,
+        }
     if stage == "train":
         t = cfg.train.model_dump(mode="json", exclude=TRAIN_EXCLUDED)
         # One optimizer step takes world size x grad_accum batches: 2 ranks with grad_accum 1 train
         # the same draft as 1 process with grad_accum 2 (DDP or FSDP alike), so that product is the key.
-        world = int(os.environ.get("WORLD_SIZE") or cfg.train.nproc_per_node)  # torchrun's, or the one we launch
+        world = int(
+            os.environ.get("WORLD_SIZE") or cfg.train.nproc_per_node
+        )  # torchrun's, or the one we launch
         t["batches_per_step"] = world * cfg.train.grad_accum
         return {"target": target_identity(cfg), "train": t, "aux_layers": cfg.aux_layers}
     if stage == "verify":
-        return {"target": target_identity(cfg), "verify": cfg.verify.model_dump(mode="json", exclude=VERIFY_EXCLUDED),
-                "serve": {k: serve[k] for k in (*SERVE_RESULT_FIELDS, *SERVE_PERF_FIELDS)}}
+        return {
+            "target": target_identity(cfg),
+            "verify": cfg.verify.model_dump(mode="json", exclude=VERIFY_EXCLUDED),
+            "serve": {k: serve[k] for k in (*SERVE_RESULT_FIELDS, *SERVE_PERF_FIELDS)},
+        }
     raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
 
 
@@ -136,8 +193,14 @@ def stage_key(cfg: PipelineConfig, stage: str, inputs: dict[str, str] | None = N
     missing = [s for s in INPUTS[stage] if s not in inputs]
     if missing:
         raise ValueError(f"stage {stage}: input keys missing for {missing}")
-    return digest({"stage": stage, "code": CODE_VERSIONS[stage], "config": stage_config(cfg, stage),
-                   "inputs": {s: inputs[s] for s in INPUTS[stage]}})
+    return digest(
+        {
+            "stage": stage,
+            "code": CODE_VERSIONS[stage],
+            "config": stage_config(cfg, stage),
+            "inputs": {s: inputs[s] for s in INPUTS[stage]},
+        }
+    )
 
 
 def dependants(stages: Iterable[str]) -> set[str]:
@@ -174,8 +237,14 @@ def _listing(root: Path) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def seal(out_dir: Path, stage: str, key: str, inputs: dict[str, str] | None = None,
-         result: dict[str, Any] | None = None, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def seal(
+    out_dir: Path,
+    stage: str,
+    key: str,
+    inputs: dict[str, str] | None = None,
+    result: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Mark ``out_dir`` complete: write ``artifact.json`` (atomically, last) with the key, the inputs'
     keys, the stage's configuration, a small result summary and the size of every file."""
     out_dir = Path(out_dir)
@@ -267,7 +336,9 @@ class GenerateStatus:
     selection: str  # hash of their ids: new or edited prompts change it
     done: int  # samples in the folder (all runs)
     pending: int  # selected prompts to request: never answered, or failed for a transient reason
-    rejected: int  # selected prompts the server rejected for good (retried only with retry_rejected)
+    rejected: (
+        int  # selected prompts the server rejected for good (retried only with retry_rejected)
+    )
     sealed: bool  # a run finished and its files are intact
 
     @property
@@ -302,8 +373,16 @@ def generate_status(cfg: PipelineConfig, key: str | None = None) -> GenerateStat
     todo = [i for i in selected if i not in done]
     rejected = sum(1 for i in todo if i in permanent)
     pending = len(todo) - (0 if cfg.generate.retry_rejected else rejected)
-    return GenerateStatus(key=key, out_dir=str(out_dir), selected=len(selected), selection=digest(sorted(selected)),
-                          done=len(done), pending=pending, rejected=rejected, sealed=is_complete(out_dir, key))
+    return GenerateStatus(
+        key=key,
+        out_dir=str(out_dir),
+        selected=len(selected),
+        selection=digest(sorted(selected)),
+        done=len(done),
+        pending=pending,
+        rejected=rejected,
+        sealed=is_complete(out_dir, key),
+    )
 
 
 def data_key(generate_dir: Path, generate_key: str) -> str:
@@ -329,41 +408,71 @@ def tokens_key(extract_dir: Path, generate_data_key: str) -> str:
     stored samples. They are the generated samples (``generate_data_key``) cut to their stored
     lengths, so hashing the (id, length) pairs identifies them without reading the hidden states:
     a new extraction at other auxiliary layers or in another dtype leaves the vocabulary cached."""
-    index = json.loads((Path(extract_dir) / "index.json").read_text())  # id -> [shard, position, length]
-    return digest({"data": generate_data_key, "samples": sorted((i, int(v[2])) for i, v in index.items())})
+    index = json.loads(
+        (Path(extract_dir) / "index.json").read_text()
+    )  # id -> [shard, position, length]
+    return digest(
+        {"data": generate_data_key, "samples": sorted((i, int(v[2])) for i, v in index.items())}
+    )
 
 
 # ---------------------------------------------------------------------------
 # What a finished stage records for the stages after it (and for reports)
 
 
-def summary(cfg: PipelineConfig, stage: str, result: dict[str, Any], out_dir: Path,
-            inputs: dict[str, str]) -> dict[str, Any]:
+def summary(
+    cfg: PipelineConfig, stage: str, result: dict[str, Any], out_dir: Path, inputs: dict[str, str]
+) -> dict[str, Any]:
     """The small summary kept in artifact.json: the keys later stages take (generate's data
     key, extract's token key) and the few numbers a report shows. Paths are relative to the folder."""
     out_dir = Path(out_dir)
     if stage == "generate":
         t = result["totals"]
-        return {"data_key": data_key(out_dir, out_dir.name), "samples": t["samples"],
-                "completion_tokens": t["completion_tokens"], "errors_by_kind": t["errors_by_kind"],
-                "flags": t["flags"]}
+        return {
+            "data_key": data_key(out_dir, out_dir.name),
+            "samples": t["samples"],
+            "completion_tokens": t["completion_tokens"],
+            "errors_by_kind": t["errors_by_kind"],
+            "flags": t["flags"],
+        }
     if stage == "extract":
-        return {"tokens_key": tokens_key(out_dir, inputs["generate"]), "samples": result["samples"],
-                "tokens": result["tokens"], "bytes_per_token": result["bytes_per_token"],
-                "aux_layers": result["aux_layers"], "storage_dtype": result["storage_dtype"],
-                # how the folder was filled: computed by the backend, or copied from the previous extract
-                "computed": result.get("this_run", {}).get("stored"), "reused": result.get("this_run", {}).get("reused", 0)}
+        return {
+            "tokens_key": tokens_key(out_dir, inputs["generate"]),
+            "samples": result["samples"],
+            "tokens": result["tokens"],
+            "bytes_per_token": result["bytes_per_token"],
+            "aux_layers": result["aux_layers"],
+            "storage_dtype": result["storage_dtype"],
+            # how the folder was filled: computed by the backend, or copied from the previous extract
+            "computed": result.get("this_run", {}).get("stored"),
+            "reused": result.get("this_run", {}).get("reused", 0),
+        }
     if stage == "vocab":
-        return {"draft_vocab_size": result["draft_vocab_size"], "coverage": result["coverage"],
-                "loss_tokens": result["loss_tokens"]}
+        return {
+            "draft_vocab_size": result["draft_vocab_size"],
+            "coverage": result["coverage"],
+            "loss_tokens": result["loss_tokens"],
+        }
     if stage == "train":
         final = result.get("final") or {}
-        return {"steps": result["steps"], "epochs": cfg.train.epochs, "samples": result.get("samples"),
-                "final_top1": final.get("top1"), "final_loss": final.get("loss"), "export": "vllm-draft"}
+        return {
+            "steps": result["steps"],
+            "epochs": cfg.train.epochs,
+            "samples": result.get("samples"),
+            "final_top1": final.get("top1"),
+            "final_loss": final.get("loss"),
+            "export": "vllm-draft",
+        }
     if stage == "verify":
-        return {"acceptance_length": result.get("acceptance_length"),
-                "acceptance_per_position": (result.get("acceptance") or {}).get("acceptance_per_position"),
-                "speedup": result.get("speedup"), "gate": result.get("gate"), "promoted": result.get("promoted")}
+        return {
+            "acceptance_length": result.get("acceptance_length"),
+            "acceptance_per_position": (result.get("acceptance") or {}).get(
+                "acceptance_per_position"
+            ),
+            "speedup": result.get("speedup"),
+            "gate": result.get("gate"),
+            "promoted": result.get("promoted"),
+        }
     raise ValueError(f"unknown stage {stage!r}")
 
 
@@ -385,18 +494,33 @@ def input_key(folder: Path, stage: str, for_stage: str) -> str:
     return "unsealed-" + digest(_listing(folder))
 
 
-def plan_stage(cfg: PipelineConfig, stage: str, input_dirs: dict[str, Path]) -> tuple[str, dict[str, str], Path]:
+def plan_stage(
+    cfg: PipelineConfig, stage: str, input_dirs: dict[str, Path]
+) -> tuple[str, dict[str, str], Path]:
     """(key, input keys, keyed output folder) for running ``stage`` by hand on the given inputs (the CLI)."""
     inputs = {s: input_key(Path(d), s, stage) for s, d in input_dirs.items()}
     key = stage_key(cfg, stage, inputs)
     return key, inputs, artifact_dir(cfg, stage, key)
 
 
-def finish(cfg: PipelineConfig, stage: str, key: str, inputs: dict[str, str], out_dir: Path,
-           result: dict[str, Any]) -> None:
+def finish(
+    cfg: PipelineConfig,
+    stage: str,
+    key: str,
+    inputs: dict[str, str],
+    out_dir: Path,
+    result: dict[str, Any],
+) -> None:
     """Seal a stage run by hand; when it wrote its keyed folder, point ``latest`` at it too."""
     out_dir = Path(out_dir)
-    seal(out_dir, stage, key, inputs, summary(cfg, stage, result, out_dir, inputs), stage_config(cfg, stage))
+    seal(
+        out_dir,
+        stage,
+        key,
+        inputs,
+        summary(cfg, stage, result, out_dir, inputs),
+        stage_config(cfg, stage),
+    )
     if out_dir.resolve() == artifact_dir(cfg, stage, key).resolve():
         set_latest(cfg, stage, key)
 
@@ -415,9 +539,17 @@ def config_keys(cfg: PipelineConfig, generate_data: str = "data") -> dict[str, s
     data = digest({"generate": keys["generate"], "samples": generate_data})
     keys["extract"] = stage_key(cfg, "extract", {"generate": data})
     # what tokens_key hashes: the same samples cut the same way
-    answers = {"dataset_answers": cfg.extract.dataset_answers} if cfg.extract.dataset_answers else {}
-    tokens = digest({"data": data, "max_seq_len": cfg.extract.max_seq_len, "truncation": cfg.extract.truncation,
-                     **answers})
+    answers = (
+        {"dataset_answers": cfg.extract.dataset_answers} if cfg.extract.dataset_answers else {}
+    )
+    tokens = digest(
+        {
+            "data": data,
+            "max_seq_len": cfg.extract.max_seq_len,
+            "truncation": cfg.extract.truncation,
+            **answers,
+        }
+    )
     keys["vocab"] = stage_key(cfg, "vocab", {"extract": tokens})
     keys["train"] = stage_key(cfg, "train", {"extract": keys["extract"], "vocab": keys["vocab"]})
     keys["verify"] = stage_key(cfg, "verify", {"train": keys["train"]})

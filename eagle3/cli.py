@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -30,8 +30,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Profile YAML (configs/*.yaml).")]
 SetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", "-s", help="Override a field: section.field=value (value read as YAML). Repeatable."),
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        help="Override a field: section.field=value (value read as YAML). Repeatable.",
+    ),
 ]
 
 
@@ -49,7 +53,9 @@ def _fail(msg: str) -> None:
 
 
 @app.command()
-def plan(config: ConfigOpt, set_: SetOpt = None, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def plan(
+    config: ConfigOpt, set_: SetOpt = None, as_json: Annotated[bool, typer.Option("--json")] = False
+) -> None:
     """Print stages, resolved settings, server command lines and artifact locations. Runs nothing."""
     from eagle3.plan import build_plan, render_plan
 
@@ -60,7 +66,8 @@ def plan(config: ConfigOpt, set_: SetOpt = None, as_json: Annotated[bool, typer.
 @app.command()
 def preflight(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Check what would stop a hero run on this machine (binaries, units, target, GPUs, disk). Runs nothing."""
-    from eagle3.preflight import preflight as run_checks, render
+    from eagle3.preflight import preflight as run_checks
+    from eagle3.preflight import render
 
     checks = run_checks(_load(config, set_))
     typer.echo(render(checks))
@@ -96,7 +103,9 @@ def prepare_model_cmd(config: ConfigOpt, set_: SetOpt = None, no_check: bool = F
 def serve(
     config: ConfigOpt,
     set_: SetOpt = None,
-    chat: Annotated[Optional[str], typer.Option(help="Send one chat message once ready, print the answer.")] = None,
+    chat: Annotated[
+        str | None, typer.Option(help="Send one chat message once ready, print the answer.")
+    ] = None,
     hold: Annotated[bool, typer.Option(help="Keep serving until Ctrl-C.")] = False,
 ) -> None:
     """Start the target's vLLM server with the configured backend and wait until it is ready."""
@@ -110,7 +119,9 @@ def serve(
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         typer.echo(f"starting {cfg.serve.backend} server for {model} ...")
         with start_server(cfg, model) as server:
-            typer.echo(f"ready in {server.ready_s:.1f} s at {server.base_url} (model {server.model})")
+            typer.echo(
+                f"ready in {server.ready_s:.1f} s at {server.base_url} (model {server.model})"
+            )
             if chat:
                 r = chat_once(server.base_url, server.model, chat, api_key=server.api_key)
                 typer.echo(json.dumps(r.to_dict(), indent=2))
@@ -150,8 +161,11 @@ def _served(cfg: PipelineConfig, base_url: str | None):
 
 
 BaseUrlOpt = Annotated[
-    Optional[str],
-    typer.Option("--base-url", help="Use a running server (e.g. http://127.0.0.1:8000) instead of starting one."),
+    str | None,
+    typer.Option(
+        "--base-url",
+        help="Use a running server (e.g. http://127.0.0.1:8000) instead of starting one.",
+    ),
 ]
 
 
@@ -160,17 +174,28 @@ def generate(
     config: ConfigOpt,
     set_: SetOpt = None,
     base_url: BaseUrlOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/generate/<key>, the key of these settings).")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Output folder (default: <run dir>/generate/<key>, the key of these settings)."
+        ),
+    ] = None,
 ) -> None:
     """Send every prompt to the target and keep reasoning, answer and exact token ids (resumable)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from eagle3.embedded import EmbeddedModelError
-    from eagle3.generate.profile import profile_concurrency
-    from eagle3.generate.runner import ServerUnavailable, generate as run_generate
-    from eagle3.serving.readiness import ServerError
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     from eagle3 import artifacts
+    from eagle3.embedded import EmbeddedModelError
+    from eagle3.generate.profile import profile_concurrency
+    from eagle3.generate.runner import ServerUnavailable
+    from eagle3.generate.runner import generate as run_generate
+    from eagle3.serving.readiness import ServerError
 
     cfg = _load(config, set_)
     gen_key = artifacts.stage_key(cfg, "generate")
@@ -182,18 +207,37 @@ def generate(
             if concurrency == "auto":
                 report = profile_concurrency(cfg, urls, out / "profile")
                 concurrency = report["knee"]
-                typer.echo(f"concurrency auto -> {concurrency} (best {report['best']}, "
-                           f"{report['best_tokens_per_s']:.0f} tok/s)", err=True)
-            with Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(),
-                          TextColumn("{task.fields[tps]:.0f} tok/s  errors {task.fields[err]}"),
-                          TimeRemainingColumn(), transient=False) as bar:
+                typer.echo(
+                    f"concurrency auto -> {concurrency} (best {report['best']}, "
+                    f"{report['best_tokens_per_s']:.0f} tok/s)",
+                    err=True,
+                )
+            with Progress(
+                TextColumn("generate"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[tps]:.0f} tok/s  errors {task.fields[err]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            ) as bar:
                 task = bar.add_task("generate", total=cfg.generate.num_samples, tps=0.0, err=0)
 
                 def show(p):
-                    bar.update(task, completed=p.done + p.failed + p.skipped, tps=p.tokens_per_s, err=p.failed + p.skipped)
+                    bar.update(
+                        task,
+                        completed=p.done + p.failed + p.skipped,
+                        tps=p.tokens_per_s,
+                        err=p.failed + p.skipped,
+                    )
 
-                manifest = run_generate(cfg, urls, out, concurrency=concurrency, tokenizer_path=tokenizer,
-                                        on_progress=show)
+                manifest = run_generate(
+                    cfg,
+                    urls,
+                    out,
+                    concurrency=concurrency,
+                    tokenizer_path=tokenizer,
+                    on_progress=show,
+                )
     except (ServerError, EmbeddedModelError, ServerUnavailable, ValueError, FileNotFoundError) as e:
         if isinstance(e, Eagle3Error):
             raise
@@ -203,8 +247,10 @@ def generate(
         raise
     artifacts.finish(cfg, "generate", gen_key, {}, out, manifest)
     run = manifest["this_run"]
-    typer.echo(f"{out}: {manifest['totals']['samples']} samples in total; this run {run['counts']}, "
-               f"{run['completion_tokens_per_s']} tok/s over {run['wall_s']} s")
+    typer.echo(
+        f"{out}: {manifest['totals']['samples']} samples in total; this run {run['counts']}, "
+        f"{run['completion_tokens_per_s']} tok/s over {run['wall_s']} s"
+    )
 
 
 @app.command("profile-concurrency")
@@ -212,8 +258,10 @@ def profile_concurrency_cmd(
     config: ConfigOpt,
     set_: SetOpt = None,
     base_url: BaseUrlOpt = None,
-    levels: Annotated[Optional[str], typer.Option(help="Comma-separated levels, e.g. 1,4,16,64.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Folder for the JSON and PNG.")] = None,
+    levels: Annotated[
+        str | None, typer.Option(help="Comma-separated levels, e.g. 1,4,16,64.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for the JSON and PNG.")] = None,
 ) -> None:
     """Sweep concurrency levels against the live server; save throughput/latency and pick the knee."""
     from eagle3.generate.profile import profile_concurrency
@@ -224,29 +272,48 @@ def profile_concurrency_cmd(
     lv = [int(x) for x in levels.split(",")] if levels else None
     try:
         with _served(cfg, base_url) as urls:
-            report = profile_concurrency(cfg, urls, out, lv, on_level=lambda r: typer.echo(
-                f"  concurrency {r['concurrency']:4d}: {r['tokens_per_s']:8.1f} tok/s  "
-                f"p50 {r['latency_p50_s']:.2f} s  p95 {r['latency_p95_s']:.2f} s"))
+            report = profile_concurrency(
+                cfg,
+                urls,
+                out,
+                lv,
+                on_level=lambda r: typer.echo(
+                    f"  concurrency {r['concurrency']:4d}: {r['tokens_per_s']:8.1f} tok/s  "
+                    f"p50 {r['latency_p50_s']:.2f} s  p95 {r['latency_p95_s']:.2f} s"
+                ),
+            )
     except ServerError as e:
         _fail(str(e))
-    typer.echo(f"knee: {report['knee']} (best {report['best']} at {report['best_tokens_per_s']:.0f} tok/s); "
-               f"saved {out}/concurrency-profile.json and .png")
+    typer.echo(
+        f"knee: {report['knee']} (best {report['best']} at {report['best_tokens_per_s']:.0f} tok/s); "
+        f"saved {out}/concurrency-profile.json and .png"
+    )
 
 
 @app.command()
 def extract(
     config: ConfigOpt,
     set_: SetOpt = None,
-    generate_dir: Annotated[Optional[Path], typer.Option(help="Generate output (default: <run dir>/generate/latest).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/extract/<key>).")] = None,
+    generate_dir: Annotated[
+        Path | None, typer.Option(help="Generate output (default: <run dir>/generate/latest).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output folder (default: <run dir>/extract/<key>).")
+    ] = None,
 ) -> None:
     """Hidden states at the auxiliary layers (+ final pre-norm state) over the generated conversations."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from eagle3.embedded import EmbeddedModelError, resolve_model
-    from eagle3.extract.runner import TokenizerMismatch, extract as run_extract, previous_extract
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     from eagle3 import artifacts
+    from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.extract.runner import TokenizerMismatch, previous_extract
+    from eagle3.extract.runner import extract as run_extract
 
     cfg = _load(config, set_)
     generate_dir = generate_dir or cfg.paths.stage_dir("generate")
@@ -254,51 +321,75 @@ def extract(
     out = out or keyed
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
-        with units_restored(cfg), Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(),
-                                           TimeRemainingColumn()) as bar:
+        with (
+            units_restored(cfg),
+            Progress(
+                TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
+            ) as bar,
+        ):
             task = bar.add_task("extract", total=None)
-            manifest = run_extract(cfg, generate_dir, out, model,
-                                   on_progress=lambda done, total: bar.update(task, completed=done, total=total),
-                                   reuse_from=previous_extract(cfg, out) if cfg.extract.reuse_previous else None)
+            manifest = run_extract(
+                cfg,
+                generate_dir,
+                out,
+                model,
+                on_progress=lambda done, total: bar.update(task, completed=done, total=total),
+                reuse_from=previous_extract(cfg, out) if cfg.extract.reuse_previous else None,
+            )
     except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError, GPUsBusy) as e:
         _fail(str(e))
     artifacts.finish(cfg, "extract", key, inputs, out, manifest)
-    typer.echo(f"{out}: {manifest['samples']} samples, {manifest['tokens']} tokens, "
-               f"{manifest['bytes_per_token']} bytes/token ({manifest['storage_dtype']}), layers {manifest['aux_layers']}; "
-               f"this run: {manifest['this_run']['stored']} computed, {manifest['this_run']['reused']} reused")
+    typer.echo(
+        f"{out}: {manifest['samples']} samples, {manifest['tokens']} tokens, "
+        f"{manifest['bytes_per_token']} bytes/token ({manifest['storage_dtype']}), layers {manifest['aux_layers']}; "
+        f"this run: {manifest['this_run']['stored']} computed, {manifest['this_run']['reused']} reused"
+    )
 
 
 @app.command()
 def vocab(
     config: ConfigOpt,
     set_: SetOpt = None,
-    extract_dir: Annotated[Optional[Path], typer.Option(help="Extract output (default: <run dir>/extract/latest).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/vocab/<key>).")] = None,
+    extract_dir: Annotated[
+        Path | None, typer.Option(help="Extract output (default: <run dir>/extract/latest).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output folder (default: <run dir>/vocab/<key>).")
+    ] = None,
 ) -> None:
     """Draft vocabulary (d2t/t2d) from the loss-carrying tokens of the training data."""
-    from eagle3.vocab import vocab_stage
-
     from eagle3 import artifacts
+    from eagle3.vocab import vocab_stage
 
     cfg = _load(config, set_)
     extract_dir = extract_dir or cfg.paths.stage_dir("extract")
     key, inputs, keyed = artifacts.plan_stage(cfg, "vocab", {"extract": extract_dir})
     out = out or keyed
     try:
-        m = vocab_stage(extract_dir, out, cfg.target.vocab_size,
-                        cfg.vocab.draft_vocab_size, {"target": cfg.target.model})
+        m = vocab_stage(
+            extract_dir,
+            out,
+            cfg.target.vocab_size,
+            cfg.vocab.draft_vocab_size,
+            {"target": cfg.target.model},
+        )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     artifacts.finish(cfg, "vocab", key, inputs, out, m)
-    typer.echo(f"{out}/vocab.safetensors: draft vocab {m['draft_vocab_size']} covers {m['coverage']:.2%} of "
-               f"{m['loss_tokens']} loss tokens ({m['distinct']} distinct, {m['padded']} padded)")
+    typer.echo(
+        f"{out}/vocab.safetensors: draft vocab {m['draft_vocab_size']} covers {m['coverage']:.2%} of "
+        f"{m['loss_tokens']} loss tokens ({m['distinct']} distinct, {m['padded']} padded)"
+    )
 
 
 @app.command("make-tiny-target")
 def make_tiny_target(
     kind: Annotated[str, typer.Argument(help="deepseek-v3")],
     config: ConfigOpt = Path("configs/smollm2-cpu.yaml"),
-    out: Annotated[Optional[Path], typer.Option(help="Folder (default: the cache folder of embedded:tiny-<kind>).")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Folder (default: the cache folder of embedded:tiny-<kind>)."),
+    ] = None,
 ) -> None:
     """Build a tiny random-weight target of an architecture family that cannot run here (tokenizer: SmolLM2)."""
     from eagle3.embedded import prepare_model
@@ -307,7 +398,9 @@ def make_tiny_target(
     if kind != "deepseek-v3":
         _fail(f"unknown kind {kind!r}; known: deepseek-v3")
     cfg = _load(config, [])
-    if out is None:  # the embedded target's cache folder (what `embedded:tiny-deepseek-v3` resolves to)
+    if (
+        out is None
+    ):  # the embedded target's cache folder (what `embedded:tiny-deepseek-v3` resolves to)
         path = prepare_model(cfg.paths.cache_dir, f"tiny-{kind}")
     else:
         smol = prepare_model(cfg.paths.cache_dir, "smollm2-135m-instruct")
@@ -331,8 +424,10 @@ def _tokenizer_path(cfg: PipelineConfig) -> str | None:
 def render_unit_cmd(
     config: ConfigOpt,
     set_: SetOpt = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o")] = None,
-    speculative: Annotated[bool, typer.Option(help="The verify stage's target + draft unit instead.")] = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o")] = None,
+    speculative: Annotated[
+        bool, typer.Option(help="The verify stage's target + draft unit instead.")
+    ] = False,
 ) -> None:
     """Render the systemd unit that serves this profile's target."""
     from eagle3.serving.units import render_unit
@@ -348,66 +443,91 @@ def render_unit_cmd(
         typer.echo(text, nl=False)
 
 
-
 @app.command()
 def train(
     config: ConfigOpt,
     set_: SetOpt = None,
-    extract_dir: Annotated[Optional[Path], typer.Option(help="Extract output (default: <run dir>/extract/latest).")] = None,
-    vocab_file: Annotated[Optional[Path], typer.Option(help="Default: <run dir>/vocab/latest/vocab.safetensors.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/train/<key>).")] = None,
+    extract_dir: Annotated[
+        Path | None, typer.Option(help="Extract output (default: <run dir>/extract/latest).")
+    ] = None,
+    vocab_file: Annotated[
+        Path | None, typer.Option(help="Default: <run dir>/vocab/latest/vocab.safetensors.")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output folder (default: <run dir>/train/<key>).")
+    ] = None,
 ) -> None:
     """Train the EAGLE-3 draft (TTT unroll) on the stored hidden states; export it for vLLM.
 
     Several GPUs: `torchrun --nproc-per-node N -m eagle3.cli train -c PROFILE` (train.distributed:
     ddp or fsdp; docs/train.md)."""
-    from eagle3.embedded import EmbeddedModelError, resolve_model
-    from eagle3.train import TrainingDiverged, train as run_train
-
     from eagle3 import artifacts
+    from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.train import TrainingDiverged
+    from eagle3.train import train as run_train
 
     cfg = _load(config, set_)
     extract_dir = extract_dir or cfg.paths.stage_dir("extract")
     vocab_file = vocab_file or cfg.paths.stage_dir("vocab") / "vocab.safetensors"
-    key, inputs, keyed = artifacts.plan_stage(cfg, "train", {"extract": extract_dir, "vocab": vocab_file.parent})
+    key, inputs, keyed = artifacts.plan_stage(
+        cfg, "train", {"extract": extract_dir, "vocab": vocab_file.parent}
+    )
     out = out or keyed
 
     def progress(p: dict) -> None:
         if p["step"] % 10 == 0 or p["step"] == p["total_steps"]:
             top1 = " ".join(f"{s['correct'] / max(s['count'], 1):.2f}" for s in p["steps"])
             loss = "nan (skipped)" if p["loss"] is None else f"{p['loss']:.4f}"
-            typer.echo(f"  step {p['step']}/{p['total_steps']} epoch {p['epoch'] + 1} lr {p['lr']:.2e} "
-                       f"loss {loss} top1/step {top1}")
+            typer.echo(
+                f"  step {p['step']}/{p['total_steps']} epoch {p['epoch'] + 1} lr {p['lr']:.2e} "
+                f"loss {loss} top1/step {top1}"
+            )
 
     try:
-        target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)  # a hub id: see eagle3.target_checkpoint.checkpoint_dir
+        target_dir = resolve_model(
+            cfg.target.model, cfg.paths.cache_dir
+        )  # a hub id: see eagle3.target_checkpoint.checkpoint_dir
         with units_restored(cfg):
             m = run_train(cfg, extract_dir, vocab_file, target_dir, out, on_progress=progress)
-    except (EmbeddedModelError, TrainingDiverged, ValueError, KeyError, FileNotFoundError, GPUsBusy) as e:
+    except (
+        EmbeddedModelError,
+        TrainingDiverged,
+        ValueError,
+        KeyError,
+        FileNotFoundError,
+        GPUsBusy,
+    ) as e:
         _fail(str(e))
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 wrote everything and reports
         return
     artifacts.finish(cfg, "train", key, inputs, out, m)
     final = m["final"] or {}
-    typer.echo(f"{m['export']}: {m['steps']} steps ({m['skipped_nan']} skipped), final top-1 per step "
-               f"{[round(x, 3) for x in final.get('top1', []) if x is not None]}")
+    typer.echo(
+        f"{m['export']}: {m['steps']} steps ({m['skipped_nan']} skipped), final top-1 per step "
+        f"{[round(x, 3) for x in final.get('top1', []) if x is not None]}"
+    )
 
 
 @app.command()
 def verify(
     config: ConfigOpt,
     set_: SetOpt = None,
-    draft: Annotated[Optional[Path], typer.Option(help="Exported draft (default: <run dir>/train/latest/vllm-draft).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <run dir>/verify/<key>).")] = None,
+    draft: Annotated[
+        Path | None,
+        typer.Option(help="Exported draft (default: <run dir>/train/latest/vllm-draft)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output folder (default: <run dir>/verify/<key>).")
+    ] = None,
 ) -> None:
     """Baseline server vs target + draft: acceptance (vLLM counters), speedup, greedy match, gate."""
     from rich.progress import Progress
 
-    from eagle3.embedded import EmbeddedModelError, resolve_model
-    from eagle3.verify import GateFailed, verify as run_verify
-    from eagle3.verify.workload import WorkloadError
-
     from eagle3 import artifacts
+    from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.verify import GateFailed
+    from eagle3.verify import verify as run_verify
+    from eagle3.verify.workload import WorkloadError
 
     cfg = _load(config, set_)
     draft = draft or cfg.paths.stage_dir("train") / "vllm-draft"
@@ -438,7 +558,10 @@ def estimate_acceptance(
     draft: Annotated[Path, typer.Argument(help="Exported draft folder (vLLM format).")],
     config: ConfigOpt,
     set_: SetOpt = None,
-    generate_dir: Annotated[Optional[Path], typer.Option(help="Sequences to score (default: <run dir>/generate/latest).")] = None,
+    generate_dir: Annotated[
+        Path | None,
+        typer.Option(help="Sequences to score (default: <run dir>/generate/latest)."),
+    ] = None,
     k: Annotated[int, typer.Option(help="Draft tokens per chain.")] = 3,
     max_sequences: Annotated[int, typer.Option()] = 32,
 ) -> None:
@@ -460,16 +583,20 @@ def estimate_acceptance(
     if not seqs:
         _fail("no generated samples to score")
     v = cfg.verify
-    r = offline_acceptance(model, draft, seqs, k, ngram_lookup=(v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max))
+    r = offline_acceptance(
+        model, draft, seqs, k, ngram_lookup=(v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max)
+    )
     typer.echo(json.dumps(r, indent=2))
     ng = r["ngram"]
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    typer.echo(f"draft: acceptance length {fmt(r['acceptance_length'])} over {r['chains']} chains of "
-               f"{r['sequences']} sequences (k={k})\n"
-               f"n-gram baseline (prompt lookup, n {v.ngram_prompt_lookup_min}..{v.ngram_prompt_lookup_max}), same "
-               f"sequences: acceptance length {fmt(ng['acceptance_length'])} over all steps, "
-               f"{fmt(ng['acceptance_length_proposing'])} over the {ng['proposing_chains']} steps where it proposed "
-               "(what vLLM's /metrics would count)")
+    typer.echo(
+        f"draft: acceptance length {fmt(r['acceptance_length'])} over {r['chains']} chains of "
+        f"{r['sequences']} sequences (k={k})\n"
+        f"n-gram baseline (prompt lookup, n {v.ngram_prompt_lookup_min}..{v.ngram_prompt_lookup_max}), same "
+        f"sequences: acceptance length {fmt(ng['acceptance_length'])} over all steps, "
+        f"{fmt(ng['acceptance_length_proposing'])} over the {ng['proposing_chains']} steps where it proposed "
+        "(what vLLM's /metrics would count)"
+    )
 
 
 def _saved(e: Interrupted, what: str) -> None:

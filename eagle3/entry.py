@@ -30,8 +30,12 @@ def run(app: Any, args: list[str]) -> None:
             app(args=args, prog_name="eagle3")
     except Interrupted as e:
         saved = getattr(e, "saved", None) or "what it had written is kept"
-        typer.secho(f"interrupted ({e}): every server this command started was stopped; {saved}. Rerun the same "
-                    "command to resume.", fg="yellow", err=True)
+        typer.secho(
+            f"interrupted ({e}): every server this command started was stopped; {saved}. Rerun the same "
+            "command to resume.",
+            fg="yellow",
+            err=True,
+        )
         sys.exit(128 + e.signum)
     except (Eagle3Error, OSError) as e:
         if not isinstance(e, Eagle3Error):

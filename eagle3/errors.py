@@ -97,11 +97,25 @@ def disk_full(path: Path, needed_bytes: float | None, what: str = "") -> DiskFul
     probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(probe).free
     need = f"about {_human(needed_bytes)} more is needed for {what}, " if needed_bytes else ""
-    return DiskFull(f"disk full writing {path} ({_human(free)} free): {need}free space there (or point "
-                    "paths.runs_dir elsewhere) and rerun the same command: it resumes where it stopped")
+    return DiskFull(
+        f"disk full writing {path} ({_human(free)} free): {need}free space there (or point "
+        "paths.runs_dir elsewhere) and rerun the same command: it resumes where it stopped"
+    )
 
 
 __all__ = [
-    "ConfigError", "CorruptArtifact", "DiskFull", "EndpointError", "Eagle3Error", "InputDataError", "Interrupted",
-    "MissingSamples", "NoResult", "ServerError", "ServerUnavailable", "TokenIdMismatch", "disk_full", "is_disk_full",
+    "ConfigError",
+    "CorruptArtifact",
+    "DiskFull",
+    "EndpointError",
+    "Eagle3Error",
+    "InputDataError",
+    "Interrupted",
+    "MissingSamples",
+    "NoResult",
+    "ServerError",
+    "ServerUnavailable",
+    "TokenIdMismatch",
+    "disk_full",
+    "is_disk_full",
 ]

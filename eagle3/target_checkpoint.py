@@ -57,7 +57,8 @@ def checkpoint_dir(model: str | Path) -> Path:
             raise FileNotFoundError(
                 f"target {name}: not a local folder, and not in the local Hugging Face cache "
                 f"({constants.HF_HUB_CACHE}). The serve stage's vLLM downloads it there on its first start "
-                "(same HF_HOME); or set target.model to the checkpoint's folder") from None
+                "(same HF_HOME); or set target.model to the checkpoint's folder"
+            ) from None
     raise FileNotFoundError(f"target {name}: no such folder")
 
 
@@ -72,7 +73,9 @@ def _checkpoint_map(model_dir: Path) -> dict[str, str]:
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
             return {k: single.name for k in f.keys()}
-    raise FileNotFoundError(f"{model_dir}: neither model.safetensors.index.json nor model.safetensors")
+    raise FileNotFoundError(
+        f"{model_dir}: neither model.safetensors.index.json nor model.safetensors"
+    )
 
 
 def load_target_tensor(model_dir: str | Path, names: str | Sequence[str]) -> torch.Tensor:

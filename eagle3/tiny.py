@@ -55,8 +55,12 @@ def make_tiny_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, **over
         return out
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     settings = {**TINY_DEEPSEEK_V3, **overrides}
-    config = DeepseekV3Config(**settings, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id)
+    config = DeepseekV3Config(
+        **settings,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     # The real checkpoints carry a float32 routing bias per MoE layer (noaux_tc); vLLM expects it.
@@ -71,7 +75,9 @@ def make_tiny_deepseek_v3(out: Path, tokenizer_from: Path, seed: int = 0, **over
     # only one vLLM's DeepseekV2 loader reads; transformers fuses them again on load.
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "eagle3-tiny.json").write_text(json.dumps({"kind": "deepseek_v3", "seed": seed, "settings": settings}))
+    (tmp / "eagle3-tiny.json").write_text(
+        json.dumps({"kind": "deepseek_v3", "seed": seed, "settings": settings})
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

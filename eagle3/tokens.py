@@ -12,12 +12,22 @@ from __future__ import annotations
 from typing import Any
 
 
-def template_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
-                        chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def template_prompt_ids(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """The prompt ids a server builds: the chat template with the generation prompt, tokenised."""
-    return [int(i) for i in tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(chat_template_kwargs or {})
-    )["input_ids"]]
+    return [
+        int(i)
+        for i in tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(chat_template_kwargs or {}),
+        )["input_ids"]
+    ]
 
 
 def rebuild_token_ids(
@@ -42,7 +52,9 @@ def rebuild_token_ids(
     ids: list[int] = []
     if reasoning:
         if think_start_id is None or think_end_id is None:
-            raise ValueError("the response has reasoning but the profile sets no think tokens (target.think_*_id)")
+            raise ValueError(
+                "the response has reasoning but the profile sets no think tokens (target.think_*_id)"
+            )
         if think_start_id not in prompt_ids[-4:]:
             ids.append(think_start_id)
         ids += tokenizer.encode(reasoning, add_special_tokens=False)

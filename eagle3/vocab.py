@@ -162,7 +162,9 @@ def build_vocab(counts: torch.Tensor, draft_vocab_size: int) -> VocabMapping:
     counts = _check_counts(counts)
     vocab_size = counts.numel()
     if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, target vocab size {vocab_size}]")
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab_size} must be in [1, target vocab size {vocab_size}]"
+        )
     total = int(counts.sum())
     if total == 0:
         raise ValueError("no loss-carrying tokens were counted: cannot choose a draft vocabulary")
@@ -213,7 +215,9 @@ def save_vocab(m: VocabMapping, path: Path, metadata: dict[str, Any] | None = No
     for key, value in (metadata or {}).items():
         text = _as_metadata_string(value)
         if key in header and header[key] != text:
-            raise ValueError(f"metadata key {key!r}={text!r} contradicts the mapping's {header[key]!r}")
+            raise ValueError(
+                f"metadata key {key!r}={text!r} contradicts the mapping's {header[key]!r}"
+            )
         header[str(key)] = text
     tensors = {
         "d2t": m.d2t.to(torch.int64).contiguous(),
@@ -262,7 +266,9 @@ def load_vocab(path: Path) -> VocabMapping:
         raise ValueError(f"{path}: missing metadata {missing}")
     d2t, t2d, draft_ids, counts = (tensors[k] for k in ("d2t", "t2d", "draft_ids", "counts"))
     if d2t.dtype != torch.int64 or draft_ids.dtype != torch.int64 or t2d.dtype != torch.bool:
-        raise ValueError(f"{path}: wrong dtypes d2t={d2t.dtype} draft_ids={draft_ids.dtype} t2d={t2d.dtype}")
+        raise ValueError(
+            f"{path}: wrong dtypes d2t={d2t.dtype} draft_ids={draft_ids.dtype} t2d={t2d.dtype}"
+        )
     d, v = d2t.numel(), t2d.numel()
     if (d, v) != (int(header["draft_vocab_size"]), int(header["target_vocab_size"])):
         raise ValueError(f"{path}: tensor sizes ({d}, {v}) disagree with metadata")
@@ -343,12 +349,19 @@ def _check_read(extract_dir: Path, read: int) -> None:
     man = extract_dir / "manifest.json"
     listed = json.loads(man.read_text()).get("samples") if man.is_file() else None
     if listed is not None and read < int(listed):
-        raise MissingSamples(f"{extract_dir}: manifest.json lists {listed} samples, its shards hold {read}: a shard "
-                             "is missing; rerun extract into that folder (it recomputes what is missing), then vocab")
+        raise MissingSamples(
+            f"{extract_dir}: manifest.json lists {listed} samples, its shards hold {read}: a shard "
+            "is missing; rerun extract into that folder (it recomputes what is missing), then vocab"
+        )
 
 
-def vocab_stage(extract_dir: Path, out_dir: Path, target_vocab_size: int, draft_vocab_size: int,
-                metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+def vocab_stage(
+    extract_dir: Path,
+    out_dir: Path,
+    target_vocab_size: int,
+    draft_vocab_size: int,
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The pipeline's vocab stage: count loss tokens of the stored training data, build and save
     the mapping (``vocab.safetensors``), a coverage curve (JSON + PNG) and a manifest."""
     from eagle3.extract.storage import iter_token_masks
@@ -367,8 +380,13 @@ def vocab_stage(extract_dir: Path, out_dir: Path, target_vocab_size: int, draft_
     _check_read(Path(extract_dir), read[0])
     m = build_vocab(counts, draft_vocab_size)
     save_vocab(m, out_dir / "vocab.safetensors", metadata)
-    sizes = sorted({s for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, 65536, draft_vocab_size)
-                    if s <= target_vocab_size})
+    sizes = sorted(
+        {
+            s
+            for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, 65536, draft_vocab_size)
+            if s <= target_vocab_size
+        }
+    )
     curve = coverage_curve(counts, sizes)
     plot_coverage(curve, out_dir / "coverage.png", chosen=draft_vocab_size)
     manifest = {

@@ -51,15 +51,27 @@ class HeroRunParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    profile: str = Field(DEFAULT_PROFILE, description="Profile YAML (relative to the project, e.g. "
-                         "configs/smollm2-cpu.yaml) or a profile name (smollm2-cpu).")
-    overrides: list[str] = Field(default_factory=list, description="section.field=value, value read as YAML: "
-                                 "train.epochs=3, extract.aux_layers=[2,15,27].")
-    stages: list[Stage] = Field(default_factory=lambda: list(ALL_STAGES), description="Stages to run. A stage "
-                                "left out is read from its latest artifact (e.g. ['train']: train on the latest "
-                                "extract and vocab).")
-    force: list[Stage] = Field(default_factory=list, description="Recompute these stages and everything after "
-                               "them from scratch, even when cached.")
+    profile: str = Field(
+        DEFAULT_PROFILE,
+        description="Profile YAML (relative to the project, e.g. "
+        "configs/smollm2-cpu.yaml) or a profile name (smollm2-cpu).",
+    )
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="section.field=value, value read as YAML: "
+        "train.epochs=3, extract.aux_layers=[2,15,27].",
+    )
+    stages: list[Stage] = Field(
+        default_factory=lambda: list(ALL_STAGES),
+        description="Stages to run. A stage "
+        "left out is read from its latest artifact (e.g. ['train']: train on the latest "
+        "extract and vocab).",
+    )
+    force: list[Stage] = Field(
+        default_factory=list,
+        description="Recompute these stages and everything after "
+        "them from scratch, even when cached.",
+    )
 
 
 DEFAULT_PARAMS = HeroRunParams()
@@ -71,7 +83,9 @@ def resolve_profile(profile: str) -> Path:
     for cand in (p, PROJECT_ROOT / p, PROJECT_ROOT / "configs" / f"{profile}.yaml"):
         if cand.is_file():
             return cand
-    raise ConfigError(f"profile {profile!r} not found (as a path, under {PROJECT_ROOT}, or as configs/<name>.yaml)")
+    raise ConfigError(
+        f"profile {profile!r} not found (as a path, under {PROJECT_ROOT}, or as configs/<name>.yaml)"
+    )
 
 
 def load_params(params: HeroRunParams) -> PipelineConfig:
@@ -84,7 +98,9 @@ def _stop_servers_hook(flow: Any, flow_run: Any, state: Any) -> None:
     The flow's ``finally`` normally did it already; this covers a flow process that died
     without unwinding (the hook then runs in the runner's process)."""
     try:
-        cfg = load_params(HeroRunParams.model_validate((flow_run.parameters or {}).get("params") or {}))
+        cfg = load_params(
+            HeroRunParams.model_validate((flow_run.parameters or {}).get("params") or {})
+        )
     except Exception:  # noqa: BLE001 - a hook must not mask the run's own error
         return
     for what in stop_recorded_servers(cfg, flow_run_id=str(flow_run.id)):
@@ -98,8 +114,10 @@ def _stop_servers_hook(flow: Any, flow_run: Any, state: Any) -> None:
 def _use_latest(cfg: PipelineConfig, stage: str) -> StageCall:
     found = artifacts.latest(cfg, stage)
     if found is None:
-        raise RuntimeError(f"stage {stage} is not in this run's stages and {cfg.paths.stage_root(stage)} has no "
-                           f"complete latest artifact: run {stage} first")
+        raise RuntimeError(
+            f"stage {stage} is not in this run's stages and {cfg.paths.stage_root(stage)} has no "
+            f"complete latest artifact: run {stage} first"
+        )
     d, m = found
     return StageCall(stage, m["key"], str(d), "latest", m.get("result") or {})
 
@@ -132,21 +150,37 @@ def _prepare_folder(stage: str, out_dir: Path, key: str, forced: set[str]) -> bo
     return True
 
 
-def _run_stage(stage: str, task: Any, cfg: PipelineConfig, key: str, inputs: dict[str, str], forced: set[str],
-               refresh: bool | None = None, **kwargs: Any) -> StageCall:
+def _run_stage(
+    stage: str,
+    task: Any,
+    cfg: PipelineConfig,
+    key: str,
+    inputs: dict[str, str],
+    forced: set[str],
+    refresh: bool | None = None,
+    **kwargs: Any,
+) -> StageCall:
     out_dir = cfg.paths.artifact_dir(stage, key)
     if refresh is None:
         refresh = _prepare_folder(stage, out_dir, key, forced)
     call = call_stage(task, cfg, stage, out_dir, refresh, **kwargs)
     if call.status == "ran" or artifacts.read_marker(out_dir) is None:
-        artifacts.seal(out_dir, stage, key, inputs, result=artifacts.summary(cfg, stage, call.result, out_dir, inputs),
-                       config=artifacts.stage_config(cfg, stage))
+        artifacts.seal(
+            out_dir,
+            stage,
+            key,
+            inputs,
+            result=artifacts.summary(cfg, stage, call.result, out_dir, inputs),
+            config=artifacts.stage_config(cfg, stage),
+        )
     artifacts.set_latest(cfg, stage, key)
     call.result = {**(artifacts.read_marker(out_dir) or {}).get("result", {}), "task": call.result}
     return call
 
 
-def _generate(cfg: PipelineConfig, model: str, server: LazyServer, forced: set[str]) -> tuple[StageCall, dict]:
+def _generate(
+    cfg: PipelineConfig, model: str, server: LazyServer, forced: set[str]
+) -> tuple[StageCall, dict]:
     """Generate, deciding before any server starts whether there is anything to request."""
     logger = get_run_logger()
     key = artifacts.stage_key(cfg, "generate")
@@ -154,13 +188,28 @@ def _generate(cfg: PipelineConfig, model: str, server: LazyServer, forced: set[s
     refresh = _prepare_folder("generate", out_dir, key, forced)
     status = artifacts.generate_status(cfg, key)
     needs_server = status.pending > 0 or not (out_dir / "manifest.json").is_file()
-    logger.info("generate: %d prompts selected, %d in the folder, %d to request, %d rejected for good%s",
-                status.selected, status.done, status.pending, status.rejected,
-                "" if needs_server else ": no server needed")
+    logger.info(
+        "generate: %d prompts selected, %d in the folder, %d to request, %d rejected for good%s",
+        status.selected,
+        status.done,
+        status.pending,
+        status.rejected,
+        "" if needs_server else ": no server needed",
+    )
     urls = server.base_urls() if needs_server else []
     tokenizer = model if cfg.target.is_embedded else cfg.target.tokenizer
-    call = _run_stage("generate", generate_task, cfg, key, {}, forced, refresh=refresh or not status.up_to_date,
-                      selection=status.selection, base_urls=urls, tokenizer_path=tokenizer)
+    call = _run_stage(
+        "generate",
+        generate_task,
+        cfg,
+        key,
+        {},
+        forced,
+        refresh=refresh or not status.up_to_date,
+        selection=status.selection,
+        base_urls=urls,
+        tokenizer_path=tokenizer,
+    )
     return call, status.to_dict()
 
 
@@ -180,55 +229,92 @@ def _report(cfg: PipelineConfig, summary: dict[str, Any]) -> None:
     cfg.paths.run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(cfg.paths.run_dir / "hero-run.json", summary)
     stages = summary["stages"]
-    rows = [{"stage": s, "status": c["status"], "key": c["key"], "task s": c["task_wall_s"],
-             "library s": c["lib_wall_s"], "Prefect overhead s": c["overhead_s"]} for s, c in stages.items()]
-    create_table_artifact(key="hero-run-stages", table=rows, description="Stages of this hero run: cache hits, "
-                          "wall time, Prefect's overhead")
-    lines = [f"# Hero run: {summary['profile']}", "",
-             f"- target: `{summary['model']}`",
-             f"- run dir: `{summary['run_dir']}`; wall time {summary['wall_s']:.1f} s",
-             f"- server: {'none started (nothing to request)' if not summary['server'] else summary['server']}"]
+    rows = [
+        {
+            "stage": s,
+            "status": c["status"],
+            "key": c["key"],
+            "task s": c["task_wall_s"],
+            "library s": c["lib_wall_s"],
+            "Prefect overhead s": c["overhead_s"],
+        }
+        for s, c in stages.items()
+    ]
+    create_table_artifact(
+        key="hero-run-stages",
+        table=rows,
+        description="Stages of this hero run: cache hits, wall time, Prefect's overhead",
+    )
+    lines = [
+        f"# Hero run: {summary['profile']}",
+        "",
+        f"- target: `{summary['model']}`",
+        f"- run dir: `{summary['run_dir']}`; wall time {summary['wall_s']:.1f} s",
+        f"- server: {'none started (nothing to request)' if not summary['server'] else summary['server']}",
+    ]
     if summary.get("smoke_chat"):
         lines.append(f"- smoke chat: {summary['smoke_chat']['content']!r}")
     info = {s: c.get("info", {}) for s, c in stages.items()}
     if "generate" in info:
         g = info["generate"]
-        lines.append(f"- generate: {g.get('samples')} samples, {g.get('completion_tokens')} completion tokens, "
-                     f"errors {g.get('errors_by_kind')}")
+        lines.append(
+            f"- generate: {g.get('samples')} samples, {g.get('completion_tokens')} completion tokens, "
+            f"errors {g.get('errors_by_kind')}"
+        )
     if "extract" in info:
         e = info["extract"]
-        lines.append(f"- extract: {e.get('samples')} samples, {e.get('tokens')} tokens, layers {e.get('aux_layers')}")
+        lines.append(
+            f"- extract: {e.get('samples')} samples, {e.get('tokens')} tokens, layers {e.get('aux_layers')}"
+        )
     if "vocab" in info:
         v = info["vocab"]
-        lines.append(f"- vocab: {v.get('draft_vocab_size')} draft ids cover {v.get('coverage', 0):.2%} of loss tokens")
+        lines.append(
+            f"- vocab: {v.get('draft_vocab_size')} draft ids cover {v.get('coverage', 0):.2%} of loss tokens"
+        )
     if "train" in info:
         t = info["train"]
-        lines.append(f"- train: {t.get('steps')} steps, final top-1 per TTT step {t.get('final_top1')}")
+        lines.append(
+            f"- train: {t.get('steps')} steps, final top-1 per TTT step {t.get('final_top1')}"
+        )
     if summary.get("acceptance_length") is not None or "verify" in info:
         v = info.get("verify", {})
-        lines.append(f"- **verify: acceptance length {summary.get('acceptance_length')}**, speedup {v.get('speedup')}, "
-                     f"gate {(v.get('gate') or {}).get('passed')}")
+        lines.append(
+            f"- **verify: acceptance length {summary.get('acceptance_length')}**, speedup {v.get('speedup')}, "
+            f"gate {(v.get('gate') or {}).get('passed')}"
+        )
         ngram = ngram_summary(stages.get("verify", {}).get("dir"))
         if ngram:
             lines.append(f"- n-gram baseline (prompt lookup, same workload): {ngram}")
     if summary.get("failed"):
         lines.append(f"- **failed in {summary['failed']['stage']}**: {summary['failed']['error']}")
     lines += ["", "| stage | status | key | task s | library s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['stage']} | {r['status']} | `{r['key']}` | {r['task s']} | {r['library s']} |" for r in rows]
-    for stage, name, title in (("vocab", "coverage.png", "Vocabulary coverage"),
-                               ("train", "metrics.png", "Training metrics"),
-                               ("verify", "report.png", "Verify: acceptance and speedup")):
+    lines += [
+        f"| {r['stage']} | {r['status']} | `{r['key']}` | {r['task s']} | {r['library s']} |"
+        for r in rows
+    ]
+    for stage, name, title in (
+        ("vocab", "coverage.png", "Vocabulary coverage"),
+        ("train", "metrics.png", "Training metrics"),
+        ("verify", "report.png", "Verify: acceptance and speedup"),
+    ):
         if stage in stages:
             lines.append(_png_markdown(Path(stages[stage]["dir"]) / name, title))
-    create_markdown_artifact(key="hero-run-summary", markdown="\n".join(lines), description="Hero run summary")
+    create_markdown_artifact(
+        key="hero-run-summary", markdown="\n".join(lines), description="Hero run summary"
+    )
 
 
 # ---------------------------------------------------------------------------
 # The flow
 
 
-@flow(name="hero-run", log_prints=True, on_failure=[_stop_servers_hook], on_crashed=[_stop_servers_hook],
-      on_cancellation=[_stop_servers_hook])
+@flow(
+    name="hero-run",
+    log_prints=True,
+    on_failure=[_stop_servers_hook],
+    on_crashed=[_stop_servers_hook],
+    on_cancellation=[_stop_servers_hook],
+)
 def hero_run(params: HeroRunParams = DEFAULT_PARAMS) -> dict[str, Any]:
     """Run the selected stages of a profile; cached stages are reused, not recomputed."""
     started = time.monotonic()
@@ -242,20 +328,35 @@ def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[
     selected = set(params.stages)
     forced = artifacts.dependants(params.force) & selected
     logger = get_run_logger()
-    logger.info("hero run of profile %s (run dir %s): stages %s, forced %s", cfg.name, cfg.paths.run_dir,
-                [s for s in ALL_STAGES if s in selected], sorted(forced))
+    logger.info(
+        "hero run of profile %s (run dir %s): stages %s, forced %s",
+        cfg.name,
+        cfg.paths.run_dir,
+        [s for s in ALL_STAGES if s in selected],
+        sorted(forced),
+    )
     model = prepare_model_task(cfg)
     server = LazyServer(cfg, model)
     calls: dict[str, StageCall] = {}
-    summary: dict[str, Any] = {"profile": cfg.name, "run_dir": str(cfg.paths.run_dir), "model": model,
-                               "params": params.model_dump(mode="json"), "stages": {}, "server": None,
-                               "smoke_chat": None, "generate_status": None, "acceptance_length": None,
-                               "failed": None}
+    summary: dict[str, Any] = {
+        "profile": cfg.name,
+        "run_dir": str(cfg.paths.run_dir),
+        "model": model,
+        "params": params.model_dump(mode="json"),
+        "stages": {},
+        "server": None,
+        "smoke_chat": None,
+        "generate_status": None,
+        "acceptance_length": None,
+        "failed": None,
+    }
     current = "generate"
     try:
         try:
             if "generate" in selected:
-                calls["generate"], summary["generate_status"] = _generate(cfg, model, server, forced)
+                calls["generate"], summary["generate_status"] = _generate(
+                    cfg, model, server, forced
+                )
             else:
                 calls["generate"] = _use_latest(cfg, "generate")
         finally:
@@ -268,41 +369,79 @@ def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[
             current = name
             if name not in selected:
                 return _use_latest(cfg, name)
-            return _run_stage(name, task, cfg, artifacts.stage_key(cfg, name, inputs), inputs, forced, **kwargs)
+            return _run_stage(
+                name, task, cfg, artifacts.stage_key(cfg, name, inputs), inputs, forced, **kwargs
+            )
 
         gen_dir = Path(calls["generate"].out_dir)
-        calls["extract"] = stage("extract", extract_task, {"generate": calls["generate"].result["data_key"]},
-                                 generate_dir=str(gen_dir), model_path=model)
+        calls["extract"] = stage(
+            "extract",
+            extract_task,
+            {"generate": calls["generate"].result["data_key"]},
+            generate_dir=str(gen_dir),
+            model_path=model,
+        )
         ext_dir = calls["extract"].out_dir
-        calls["vocab"] = stage("vocab", vocab_task, {"extract": calls["extract"].result["tokens_key"]},
-                               extract_dir=ext_dir)
-        calls["train"] = stage("train", train_task, {"extract": calls["extract"].key, "vocab": calls["vocab"].key},
-                               extract_dir=ext_dir, vocab_path=str(Path(calls["vocab"].out_dir) / "vocab.safetensors"),
-                               target_dir=model)
+        calls["vocab"] = stage(
+            "vocab",
+            vocab_task,
+            {"extract": calls["extract"].result["tokens_key"]},
+            extract_dir=ext_dir,
+        )
+        calls["train"] = stage(
+            "train",
+            train_task,
+            {"extract": calls["extract"].key, "vocab": calls["vocab"].key},
+            extract_dir=ext_dir,
+            vocab_path=str(Path(calls["vocab"].out_dir) / "vocab.safetensors"),
+            target_dir=model,
+        )
         if "verify" in selected:
-            calls["verify"] = stage("verify", verify_task, {"train": calls["train"].key}, model=model,
-                                    draft_dir=str(Path(calls["train"].out_dir) / "vllm-draft"))
+            calls["verify"] = stage(
+                "verify",
+                verify_task,
+                {"train": calls["train"].key},
+                model=model,
+                draft_dir=str(Path(calls["train"].out_dir) / "vllm-draft"),
+            )
             summary["acceptance_length"] = calls["verify"].result.get("acceptance_length")
     except BaseException as e:
         summary["failed"] = {"stage": current, "error": f"{type(e).__name__}: {e}"[:2000]}
         if current == "verify":  # a failed gate still wrote its report: show it
-            report = cfg.paths.artifact_dir("verify", artifacts.stage_key(cfg, "verify", {"train": calls["train"].key}))
-            summary["verify_report"] = str(report / "report.md") if (report / "report.md").exists() else None
+            report = cfg.paths.artifact_dir(
+                "verify", artifacts.stage_key(cfg, "verify", {"train": calls["train"].key})
+            )
+            summary["verify_report"] = (
+                str(report / "report.md") if (report / "report.md").exists() else None
+            )
         raise
     finally:
         for name, call in calls.items():
-            summary["stages"][name] = {**call.to_dict(), "info": {k: v for k, v in call.result.items() if k != "task"}}
+            summary["stages"][name] = {
+                **call.to_dict(),
+                "info": {k: v for k, v in call.result.items() if k != "task"},
+            }
         if summary["failed"]:
-            summary["stages"][summary["failed"]["stage"]] = {"status": "failed", "key": None, "dir": None,
-                                                           "state": "Failed", "task_wall_s": 0, "lib_wall_s": 0,
-                                                           "overhead_s": 0, "info": {}}
+            summary["stages"][summary["failed"]["stage"]] = {
+                "status": "failed",
+                "key": None,
+                "dir": None,
+                "state": "Failed",
+                "task_wall_s": 0,
+                "lib_wall_s": 0,
+                "overhead_s": 0,
+                "info": {},
+            }
         summary["wall_s"] = round(time.monotonic() - started, 2)
         try:
             _report(cfg, summary)
         except Exception as report_error:  # noqa: BLE001 - never hide the run's own error behind the report's
             logger.warning("could not write the hero-run report: %s", report_error)
-    logger.info("hero run done in %.1f s: %s", summary["wall_s"],
-                ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items()))
+    logger.info(
+        "hero run done in %.1f s: %s",
+        summary["wall_s"],
+        ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items()),
+    )
     return summary
 
 
@@ -319,8 +458,10 @@ def ngram_summary(verify_dir: str | None) -> str | None:
         return f"not measured ({ng.get('reason')})"
     r = lambda x: None if x is None else round(x, 4)  # noqa: E731
     speedup = {c: r(x) for c, x in (ng.get("speedup") or {}).items()}
-    return (f"acceptance length {r(ng.get('acceptance_length_all_steps'))} over all steps "
-            f"({r(ng.get('acceptance_length'))} in vLLM's count over the steps where it proposed), speedup {speedup}")
+    return (
+        f"acceptance length {r(ng.get('acceptance_length_all_steps'))} over all steps "
+        f"({r(ng.get('acceptance_length'))} in vLLM's count over the steps where it proposed), speedup {speedup}"
+    )
 
 
 def dry_run(params: HeroRunParams) -> dict[str, Any]:
@@ -335,61 +476,100 @@ def dry_run(params: HeroRunParams) -> dict[str, Any]:
     forced = artifacts.dependants(params.force) & set(params.stages)
     print(f"Dry run of profile {cfg.name} (run dir {cfg.paths.run_dir}); nothing is started.")
     for name in ALL_STAGES:
-        what = ("recompute" if name in forced else "run, or reuse a complete cached artifact") \
-            if name in params.stages else "use the latest artifact"
+        what = (
+            ("recompute" if name in forced else "run, or reuse a complete cached artifact")
+            if name in params.stages
+            else "use the latest artifact"
+        )
         print(f"  {name:<8} {what}")
-    for label, server in (("serve", plan["stages"]["serve"]["server"]),
-                          ("extract", plan["stages"]["extract"].get("server")),
-                          ("verify (speculative)", plan["stages"]["verify"]["speculative server"])):
+    for label, server in (
+        ("serve", plan["stages"]["serve"]["server"]),
+        ("extract", plan["stages"]["extract"].get("server")),
+        ("verify (speculative)", plan["stages"]["verify"]["speculative server"]),
+    ):
         if server and "command" in server:
             print(f"{label} server ({server['backend']}): {server['command']}")
     draft = plan["stages"]["train"]["draft"]
-    print(f"draft: {draft['arch']}, {draft.get('parameters', {}).get('summary', draft.get('note'))}")
+    print(
+        f"draft: {draft['arch']}, {draft.get('parameters', {}).get('summary', draft.get('note'))}"
+    )
     checks = preflight(cfg)
     print("pre-flight:\n" + render(checks))
     failed = [c.name for c in checks if c.status == "fail"]
     if failed:
-        raise SystemExit(f"dry run: {len(failed)} pre-flight check(s) failed ({', '.join(failed)}): "
-                         "fix them before the hero run")
+        raise SystemExit(
+            f"dry run: {len(failed)} pre-flight check(s) failed ({', '.join(failed)}): "
+            "fix them before the hero run"
+        )
     return {"plan": plan, "checks": [c.__dict__ for c in checks]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", "-c", "--profile", dest="profile", default=DEFAULT_PROFILE)
-    ap.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    ap.add_argument("--stages", default=",".join(ALL_STAGES), help="comma-separated subset of " + ",".join(ALL_STAGES))
-    ap.add_argument("--force", default="", help="comma-separated stages to recompute (with everything after them)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="load and validate the profile, print the stages and the pre-flight checks; run nothing")
+    ap.add_argument(
+        "--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE"
+    )
+    ap.add_argument(
+        "--stages",
+        default=",".join(ALL_STAGES),
+        help="comma-separated subset of " + ",".join(ALL_STAGES),
+    )
+    ap.add_argument(
+        "--force",
+        default="",
+        help="comma-separated stages to recompute (with everything after them)",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="load and validate the profile, print the stages and the pre-flight checks; run nothing",
+    )
     args = ap.parse_args(argv)
-    split = lambda text: [s for s in text.split(",") if s]
-    params = HeroRunParams(profile=args.profile, overrides=args.overrides, stages=split(args.stages),
-                           force=split(args.force))
+
+    def split(text: str) -> list[str]:
+        return [s for s in text.split(",") if s]
+
+    params = HeroRunParams(
+        profile=args.profile,
+        overrides=args.overrides,
+        stages=split(args.stages),
+        force=split(args.force),
+    )
     if args.dry_run:
         return dry_run(params)
     summary = hero_run(params)
     statuses = ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items())
     print(f"\nHero run {summary['profile']} finished in {summary['wall_s']} s ({statuses})")
     if summary["smoke_chat"]:
-        print(f"server ready in {summary['server']['ready_s']} s; Q: What is the capital of France? "
-              f"A: {summary['smoke_chat']['content']}")
+        print(
+            f"server ready in {summary['server']['ready_s']} s; Q: What is the capital of France? "
+            f"A: {summary['smoke_chat']['content']}"
+        )
     info = {s: c["info"] for s, c in summary["stages"].items()}
     g, e, v, t = (info.get(s, {}) for s in ("generate", "extract", "vocab", "train"))
-    print(f"generate: {g.get('samples')} samples; extract: {e.get('samples')} samples, {e.get('tokens')} tokens; "
-          f"vocab: {v.get('draft_vocab_size')} ids cover {v.get('coverage', 0):.2%}")
+    print(
+        f"generate: {g.get('samples')} samples; extract: {e.get('samples')} samples, {e.get('tokens')} tokens; "
+        f"vocab: {v.get('draft_vocab_size')} ids cover {v.get('coverage', 0):.2%}"
+    )
     top1 = [round(x, 3) for x in (t.get("final_top1") or []) if x is not None]
-    print(f"train: {t.get('steps')} steps, final top-1 per TTT step {top1}; draft for vLLM at "
-          f"{Path(summary['stages']['train']['dir']) / 'vllm-draft'}")
+    print(
+        f"train: {t.get('steps')} steps, final top-1 per TTT step {top1}; draft for vLLM at "
+        f"{Path(summary['stages']['train']['dir']) / 'vllm-draft'}"
+    )
     if "verify" in info:
         vf = info["verify"]
         per_pos = [round(x, 3) for x in (vf.get("acceptance_per_position") or [])]
-        print(f"verify: speedup {vf.get('speedup')}, acceptance per position {per_pos}, "
-              f"gate {'passed' if (vf.get('gate') or {}).get('passed') else 'FAILED'}"
-              f"{', promoted to ' + vf['promoted'] if vf.get('promoted') else ''}")
+        print(
+            f"verify: speedup {vf.get('speedup')}, acceptance per position {per_pos}, "
+            f"gate {'passed' if (vf.get('gate') or {}).get('passed') else 'FAILED'}"
+            f"{', promoted to ' + vf['promoted'] if vf.get('promoted') else ''}"
+        )
         ngram = ngram_summary(summary["stages"]["verify"].get("dir"))
-        print(f"acceptance length: {summary['acceptance_length']}"
-              + (f" (n-gram baseline: {ngram})" if ngram else ""))
+        print(
+            f"acceptance length: {summary['acceptance_length']}"
+            + (f" (n-gram baseline: {ngram})" if ngram else "")
+        )
     return summary
 
 

@@ -34,29 +34,52 @@ DEFAULT_TIMEZONE = os.environ.get("EAGLE3_TIMEZONE", "UTC")
 DEPLOYMENT_NAMES = ["hero-run", *ALL_STAGES, "nightly-regeneration"]
 
 
-def deployments(profile: str = DEFAULT_PROFILE, overrides: list[str] | None = None,
-                stages: list[str] | None = None, timezone: str = DEFAULT_TIMEZONE,
-                only: list[str] | None = None) -> list[Any]:
+def deployments(
+    profile: str = DEFAULT_PROFILE,
+    overrides: list[str] | None = None,
+    stages: list[str] | None = None,
+    timezone: str = DEFAULT_TIMEZONE,
+    only: list[str] | None = None,
+) -> list[Any]:
     """The RunnerDeployments of ``hero_run`` (``stages`` sets the hero-run and nightly defaults)."""
     overrides = list(overrides or [])
     full = list(stages or ALL_STAGES)
 
     def params(stage_list: list[str]) -> dict[str, Any]:
-        return {"params": HeroRunParams(profile=profile, overrides=overrides, stages=stage_list).model_dump()}
+        return {
+            "params": HeroRunParams(
+                profile=profile, overrides=overrides, stages=stage_list
+            ).model_dump()
+        }
 
-    out = [hero_run.to_deployment(
-        name="hero-run", parameters=params(full), tags=["eagle3", "hero-run"],
-        description="The whole pipeline of a profile: generate, extract, vocab, train, verify. Stages whose "
-                    "artifacts exist for the same settings and inputs are cache hits.")]
+    out = [
+        hero_run.to_deployment(
+            name="hero-run",
+            parameters=params(full),
+            tags=["eagle3", "hero-run"],
+            description="The whole pipeline of a profile: generate, extract, vocab, train, verify. Stages whose "
+            "artifacts exist for the same settings and inputs are cache hits.",
+        )
+    ]
     for stage in ALL_STAGES:
-        out.append(hero_run.to_deployment(
-            name=stage, parameters=params([stage]), tags=["eagle3", "stage"],
-            description=f"Only the {stage} stage, on the latest artifacts of the stages before it."))
-    out.append(hero_run.to_deployment(
-        name="nightly-regeneration", parameters=params(full), tags=["eagle3", "nightly"],
-        schedules=[Cron(NIGHTLY_CRON, timezone=timezone)],
-        description=f"Every day at 02:00 ({timezone}): generate answers for new and failed prompts; the later "
-                    "stages rerun only if the data changed."))
+        out.append(
+            hero_run.to_deployment(
+                name=stage,
+                parameters=params([stage]),
+                tags=["eagle3", "stage"],
+                description=f"Only the {stage} stage, on the latest artifacts of the stages before it.",
+            )
+        )
+    out.append(
+        hero_run.to_deployment(
+            name="nightly-regeneration",
+            parameters=params(full),
+            tags=["eagle3", "nightly"],
+            schedules=[Cron(NIGHTLY_CRON, timezone=timezone)],
+            description=f"Every day at 02:00 ({timezone}): generate answers for new and failed prompts; the later "
+            "stages rerun only if the data changed.",
+        )
+    )
     if only:
         unknown = set(only) - set(DEPLOYMENT_NAMES)
         if unknown:
@@ -68,14 +91,27 @@ def deployments(profile: str = DEFAULT_PROFILE, overrides: list[str] | None = No
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", "--config", "-c", default=DEFAULT_PROFILE)
-    ap.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    ap.add_argument("--stages", default=",".join(ALL_STAGES), help="default stages of hero-run and nightly")
-    ap.add_argument("--timezone", default=DEFAULT_TIMEZONE, help="IANA name for the nightly schedule")
-    ap.add_argument("--only", default="", help="comma-separated deployment names to serve (default: all)")
+    ap.add_argument(
+        "--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE"
+    )
+    ap.add_argument(
+        "--stages", default=",".join(ALL_STAGES), help="default stages of hero-run and nightly"
+    )
+    ap.add_argument(
+        "--timezone", default=DEFAULT_TIMEZONE, help="IANA name for the nightly schedule"
+    )
+    ap.add_argument(
+        "--only", default="", help="comma-separated deployment names to serve (default: all)"
+    )
     ap.add_argument("--limit", type=int, default=1, help="flow runs at a time")
     args = ap.parse_args(argv)
-    split = lambda text: [s for s in text.split(",") if s]
-    deps = deployments(args.profile, args.overrides, split(args.stages), args.timezone, split(args.only) or None)
+
+    def split(text: str) -> list[str]:
+        return [s for s in text.split(",") if s]
+
+    deps = deployments(
+        args.profile, args.overrides, split(args.stages), args.timezone, split(args.only) or None
+    )
     serve(*deps, pause_on_shutdown=False, limit=args.limit)
 
 

@@ -34,12 +34,21 @@ class ArtifactKey(CachePolicy):
 
     extra: tuple[str, ...] = field(default=())
 
-    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
-                    **kwargs: Any) -> str | None:
+    def compute_key(
+        self,
+        task_ctx: TaskRunContext,
+        inputs: dict[str, Any],
+        flow_parameters: dict[str, Any],
+        **kwargs: Any,
+    ) -> str | None:
         out_dir = inputs.get("out_dir")
         if not out_dir:
             return None  # not a stage call: no caching rather than a wrong hit
-        parts = [task_ctx.task.name, Path(out_dir).name, *(str(inputs.get(name, "")) for name in self.extra)]
+        parts = [
+            task_ctx.task.name,
+            Path(out_dir).name,
+            *(str(inputs.get(name, "")) for name in self.extra),
+        ]
         return "-".join(parts)
 
 
@@ -72,23 +81,40 @@ class StageCall:
         return max(self.task_wall_s - self.lib_wall_s, 0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "key": self.key, "dir": self.out_dir, "state": self.state,
-                "task_wall_s": round(self.task_wall_s, 3), "lib_wall_s": round(self.lib_wall_s, 3),
-                "overhead_s": round(self.overhead_s, 3)}
+        return {
+            "status": self.status,
+            "key": self.key,
+            "dir": self.out_dir,
+            "state": self.state,
+            "task_wall_s": round(self.task_wall_s, 3),
+            "lib_wall_s": round(self.lib_wall_s, 3),
+            "overhead_s": round(self.overhead_s, 3),
+        }
 
 
-def call_stage(task: Task, cfg: PipelineConfig, stage: str, out_dir: Path, refresh: bool, **kwargs: Any) -> StageCall:
+def call_stage(
+    task: Task, cfg: PipelineConfig, stage: str, out_dir: Path, refresh: bool, **kwargs: Any
+) -> StageCall:
     """Run a stage task with the artifact cache: a hit returns the stored result without running.
 
     Raises what the task raised (after its retries). ``lib_wall_s`` comes from the result's
     ``lib_wall_s`` (our tasks time their library call) or ``wall_s`` (the verify report's).
     """
     t0 = time.monotonic()
-    state = task.with_options(refresh_cache=refresh, result_storage=cfg.paths.results_dir.resolve(), **CACHED)(
-        cfg=cfg, out_dir=str(out_dir), **kwargs, return_state=True)
+    state = task.with_options(
+        refresh_cache=refresh, result_storage=cfg.paths.results_dir.resolve(), **CACHED
+    )(cfg=cfg, out_dir=str(out_dir), **kwargs, return_state=True)
     wall = time.monotonic() - t0
     result = state.result()  # raises the task's exception when it failed
     cached = state.name == "Cached"
     lib = 0.0 if cached else float(result.get("lib_wall_s") or result.get("wall_s") or 0.0)
-    return StageCall(stage, Path(out_dir).name, str(out_dir), "cached" if cached else "ran", result, wall, lib,
-                     state.name)
+    return StageCall(
+        stage,
+        Path(out_dir).name,
+        str(out_dir),
+        "cached" if cached else "ran",
+        result,
+        wall,
+        lib,
+        state.name,
+    )

@@ -19,11 +19,19 @@ from tasks.caching import ARTIFACT_KEY
 from tasks.retries import TIMEOUT_S, transient_only
 
 
-@task(name="extract", cache_policy=ARTIFACT_KEY, retries=1, retry_delay_seconds=exponential_backoff(30),
-      retry_condition_fn=transient_only, timeout_seconds=TIMEOUT_S["extract"])
+@task(
+    name="extract",
+    cache_policy=ARTIFACT_KEY,
+    retries=1,
+    retry_delay_seconds=exponential_backoff(30),
+    retry_condition_fn=transient_only,
+    timeout_seconds=TIMEOUT_S["extract"],
+)
 def extract_task(cfg: PipelineConfig, out_dir: str, generate_dir: str, model_path: str) -> dict:
     logger = get_run_logger()
-    artifact = create_progress_artifact(0.0, key="extract-progress", description="extract: samples stored")
+    artifact = create_progress_artifact(
+        0.0, key="extract-progress", description="extract: samples stored"
+    )
     last = [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -33,18 +41,34 @@ def extract_task(cfg: PipelineConfig, out_dir: str, generate_dir: str, model_pat
 
     t0 = time.monotonic()
     reuse = previous_extract(cfg, Path(out_dir)) if cfg.extract.reuse_previous else None
-    m = extract(cfg, Path(generate_dir), Path(out_dir), model_path, on_progress=progress, reuse_from=reuse)
+    m = extract(
+        cfg, Path(generate_dir), Path(out_dir), model_path, on_progress=progress, reuse_from=reuse
+    )
     lib_wall = time.monotonic() - t0
     update_progress_artifact(artifact, 100.0)
-    logger.info("extract: %d samples, %d tokens, %.0f bytes/token", m["samples"], m["tokens"], m["bytes_per_token"])
+    logger.info(
+        "extract: %d samples, %d tokens, %.0f bytes/token",
+        m["samples"],
+        m["tokens"],
+        m["bytes_per_token"],
+    )
     create_table_artifact(
         key="extract-stats",
-        table=[{"metric": k, "value": str(v)} for k, v in [
-            ("samples", m["samples"]), ("tokens", m["tokens"]), ("aux layers", m["aux_layers"]),
-            ("storage dtype", m["storage_dtype"]), ("bytes/token", m["bytes_per_token"]),
-            ("tokens/s (this run)", m["this_run"]["tokens_per_s"]), ("skipped", m["this_run"]["skipped"]),
-            ("reused from the previous extract", m["this_run"]["reused"]),
-            ("non-finite", m["this_run"]["nonfinite"]), ("truncated", m["this_run"]["truncated"])]],
+        table=[
+            {"metric": k, "value": str(v)}
+            for k, v in [
+                ("samples", m["samples"]),
+                ("tokens", m["tokens"]),
+                ("aux layers", m["aux_layers"]),
+                ("storage dtype", m["storage_dtype"]),
+                ("bytes/token", m["bytes_per_token"]),
+                ("tokens/s (this run)", m["this_run"]["tokens_per_s"]),
+                ("skipped", m["this_run"]["skipped"]),
+                ("reused from the previous extract", m["this_run"]["reused"]),
+                ("non-finite", m["this_run"]["nonfinite"]),
+                ("truncated", m["this_run"]["truncated"]),
+            ]
+        ],
         description="Hidden-state extraction",
     )
     return {**m, "lib_wall_s": round(lib_wall, 3)}

@@ -34,8 +34,19 @@ def _summary(manifest: dict, lib_wall_s: float, requested: bool) -> dict:
     return {
         "totals": manifest["totals"],
         "requested": requested,
-        "this_run": {k: run.get(k) for k in ("resumed_from", "counts", "wall_s", "completion_tokens",
-                                             "completion_tokens_per_s", "requests_per_s")} if requested else None,
+        "this_run": {
+            k: run.get(k)
+            for k in (
+                "resumed_from",
+                "counts",
+                "wall_s",
+                "completion_tokens",
+                "completion_tokens_per_s",
+                "requests_per_s",
+            )
+        }
+        if requested
+        else None,
         "concurrency": manifest.get("concurrency"),
         "dataset": manifest.get("dataset"),
         "tokenizer_fingerprint": manifest.get("tokenizer_fingerprint"),
@@ -43,42 +54,81 @@ def _summary(manifest: dict, lib_wall_s: float, requested: bool) -> dict:
     }
 
 
-@task(name="generate", cache_policy=GENERATE_KEY, retries=2, retry_delay_seconds=exponential_backoff(30),
-      retry_jitter_factor=0.5, retry_condition_fn=transient_only, timeout_seconds=TIMEOUT_S["generate"])
-def generate_task(cfg: PipelineConfig, out_dir: str, selection: str, base_urls: list[str],
-                  tokenizer_path: str | None = None) -> dict:
+@task(
+    name="generate",
+    cache_policy=GENERATE_KEY,
+    retries=2,
+    retry_delay_seconds=exponential_backoff(30),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=transient_only,
+    timeout_seconds=TIMEOUT_S["generate"],
+)
+def generate_task(
+    cfg: PipelineConfig,
+    out_dir: str,
+    selection: str,
+    base_urls: list[str],
+    tokenizer_path: str | None = None,
+) -> dict:
     """Request every selected prompt not yet answered (``selection`` only keys the cache)."""
     logger = get_run_logger()
     out = Path(out_dir)
     if not base_urls:
         status = generate_status(cfg, key=out.name)
         if status.pending:
-            raise RuntimeError(f"generate: {status.pending} prompts to request but no server was started")
+            raise RuntimeError(
+                f"generate: {status.pending} prompts to request but no server was started"
+            )
         if not (out / "manifest.json").is_file():
-            raise FileNotFoundError(f"{out}: no manifest.json and nothing to request (does the profile select "
-                                    "any prompt?)")
-        logger.info("generate: nothing to request (%d samples in %s, %d rejected for good)", status.done, out,
-                    status.rejected)
+            raise FileNotFoundError(
+                f"{out}: no manifest.json and nothing to request (does the profile select "
+                "any prompt?)"
+            )
+        logger.info(
+            "generate: nothing to request (%d samples in %s, %d rejected for good)",
+            status.done,
+            out,
+            status.rejected,
+        )
         return _summary(read_manifest(out), 0.0, requested=False)
 
     concurrency = cfg.generate.concurrency
     if concurrency == "auto":
         report = profile_concurrency(cfg, base_urls, out / "profile")
         concurrency = report["knee"]
-        logger.info("concurrency auto -> %d (best %d at %.0f tok/s)", concurrency, report["best"],
-                    report["best_tokens_per_s"])
-    artifact = create_progress_artifact(0.0, key="generate-progress", description="generate: samples done")
+        logger.info(
+            "concurrency auto -> %d (best %d at %.0f tok/s)",
+            concurrency,
+            report["best"],
+            report["best_tokens_per_s"],
+        )
+    artifact = create_progress_artifact(
+        0.0, key="generate-progress", description="generate: samples done"
+    )
     last = [0.0]
 
     def report_progress(p: Progress) -> None:
         if p.total and time.monotonic() - last[0] > 5:
             last[0] = time.monotonic()
-            update_progress_artifact(artifact, min(100.0, 100.0 * (p.done + p.failed + p.skipped) / p.total))
-            logger.info("generate: %d done, %d errors, %.0f tok/s", p.done, p.failed + p.skipped, p.tokens_per_s)
+            update_progress_artifact(
+                artifact, min(100.0, 100.0 * (p.done + p.failed + p.skipped) / p.total)
+            )
+            logger.info(
+                "generate: %d done, %d errors, %.0f tok/s",
+                p.done,
+                p.failed + p.skipped,
+                p.tokens_per_s,
+            )
 
     t0 = time.monotonic()
-    manifest = generate(cfg, base_urls, out, concurrency=concurrency, tokenizer_path=tokenizer_path,
-                        on_progress=report_progress)
+    manifest = generate(
+        cfg,
+        base_urls,
+        out,
+        concurrency=concurrency,
+        tokenizer_path=tokenizer_path,
+        on_progress=report_progress,
+    )
     lib_wall = time.monotonic() - t0
     update_progress_artifact(artifact, 100.0)
     run, totals = manifest["this_run"], manifest["totals"]

@@ -10,8 +10,13 @@ from eagle3.embedded import prepare_model, resolve_model
 from tasks.retries import TIMEOUT_S
 
 
-@task(name="prepare-model", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE,
-      timeout_seconds=TIMEOUT_S["prepare-model"])
+@task(
+    name="prepare-model",
+    retries=1,
+    retry_delay_seconds=5,
+    cache_policy=NO_CACHE,
+    timeout_seconds=TIMEOUT_S["prepare-model"],
+)
 def prepare_model_task(cfg: PipelineConfig) -> str:
     """Resolve the target model argument, converting the embedded GGUF first if needed.
 

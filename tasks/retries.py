@@ -31,15 +31,35 @@ def non_retriable() -> tuple[type[BaseException], ...]:
     by a unit the run may not stop)."""
     from eagle3.config import ConfigError
     from eagle3.embedded import EmbeddedModelError
-    from eagle3.errors import (CorruptArtifact, EndpointError, InputDataError, MissingSamples, NoResult,
-                               TokenIdMismatch)
+    from eagle3.errors import (
+        CorruptArtifact,
+        EndpointError,
+        InputDataError,
+        MissingSamples,
+        NoResult,
+        TokenIdMismatch,
+    )
     from eagle3.extract.runner import TokenizerMismatch
     from eagle3.serving.gpus import GPUsBusy
     from eagle3.train import TrainingDiverged
 
-    out: list[type[BaseException]] = [ValueError, KeyError, TypeError, FileNotFoundError, ConfigError,
-                                      EmbeddedModelError, TokenizerMismatch, TrainingDiverged, GPUsBusy, EndpointError,
-                                      InputDataError, MissingSamples, NoResult, TokenIdMismatch, CorruptArtifact]
+    out: list[type[BaseException]] = [
+        ValueError,
+        KeyError,
+        TypeError,
+        FileNotFoundError,
+        ConfigError,
+        EmbeddedModelError,
+        TokenizerMismatch,
+        TrainingDiverged,
+        GPUsBusy,
+        EndpointError,
+        InputDataError,
+        MissingSamples,
+        NoResult,
+        TokenIdMismatch,
+        CorruptArtifact,
+    ]
     try:
         from eagle3.verify import GateFailed
 
@@ -58,4 +78,3 @@ def transient_only(task: Any, task_run: Any, state: Any) -> bool:
     except BaseException:  # noqa: BLE001 - anything else may be transient
         return True
     return True
-

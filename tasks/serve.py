@@ -51,19 +51,33 @@ def record_server(cfg: PipelineConfig, server: Server) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     from prefect.runtime import flow_run
 
-    entry = {"backend": server.backend, "pid": server.pid, "unit": cfg.serve.unit if server.backend == "systemd" else None,
-             "base_url": server.base_url, "started": time.time(), "flow_run_id": str(flow_run.id or "")}
+    entry = {
+        "backend": server.backend,
+        "pid": server.pid,
+        "unit": cfg.serve.unit if server.backend == "systemd" else None,
+        "base_url": server.base_url,
+        "started": time.time(),
+        "flow_run_id": str(flow_run.id or ""),
+    }
     write_json_atomic(path, [*_read(path), entry])
 
 
 def forget_server(cfg: PipelineConfig, server: Server) -> None:
     path = _registry(cfg)
     if path.exists():
-        write_json_atomic(path, [e for e in _read(path) if not (e.get("pid") == server.pid
-                                                                  and e.get("base_url") == server.base_url)])
+        write_json_atomic(
+            path,
+            [
+                e
+                for e in _read(path)
+                if not (e.get("pid") == server.pid and e.get("base_url") == server.base_url)
+            ],
+        )
 
 
-def stop_recorded_servers(cfg: PipelineConfig, flow_run_id: str | None = None, grace_s: float = 30) -> list[str]:
+def stop_recorded_servers(
+    cfg: PipelineConfig, flow_run_id: str | None = None, grace_s: float = 30
+) -> list[str]:
     """Stop the servers still listed for this run dir (those of ``flow_run_id`` only, if given).
 
     Used by the hooks after a crash or a cancellation, when the flow process may be gone and the
@@ -90,15 +104,23 @@ def stop_recorded_servers(cfg: PipelineConfig, flow_run_id: str | None = None, g
                     pass
                 stopped.append(f"process group {pgid} ({e.get('base_url')})")
         elif e.get("backend") == "systemd" and e.get("unit"):
-            subprocess.run(["systemctl", "stop", e["unit"]], capture_output=True, text=True, check=False)
+            subprocess.run(
+                ["systemctl", "stop", e["unit"]], capture_output=True, text=True, check=False
+            )
             stopped.append(f"systemd unit {e['unit']}")
     if path.exists():
         write_json_atomic(path, [e for e in entries if e not in mine])
     return stopped
 
 
-@task(name="serve", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE, persist_result=False,
-      timeout_seconds=TIMEOUT_S["serve"])
+@task(
+    name="serve",
+    retries=1,
+    retry_delay_seconds=10,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    timeout_seconds=TIMEOUT_S["serve"],
+)
 def start_server_task(cfg: PipelineConfig, model: str) -> Server:
     logger = get_run_logger()
     logger.info("starting %s server for %s", cfg.serve.backend, model)
@@ -107,7 +129,8 @@ def start_server_task(cfg: PipelineConfig, model: str) -> Server:
     logger.info("ready in %.1f s at %s", server.ready_s, server.base_url)
     create_markdown_artifact(
         key="serve",
-        markdown="| field | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in server.info().items()),
+        markdown="| field | value |\n|---|---|\n"
+        + "\n".join(f"| {k} | {v} |" for k, v in server.info().items()),
         description="vLLM server of this run",
     )
     return server
@@ -119,13 +142,19 @@ def stop_server_task(cfg: PipelineConfig, server: Server) -> None:
     forget_server(cfg, server)
 
 
-@task(name="smoke-chat", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, persist_result=False)
+@task(
+    name="smoke-chat", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, persist_result=False
+)
 def smoke_chat_task(server: Server, prompt: str) -> ChatResult:
     """One chat request with exact token ids: the served model really answers."""
     result = chat(server.base_url, server.model, prompt, api_key=server.api_key)
     if not result.completion_token_ids:
-        raise RuntimeError("server answered without token ids: is this vLLM with return_token_ids support?")
-    get_run_logger().info("answer: %r (%d tokens)", result.content, len(result.completion_token_ids))
+        raise RuntimeError(
+            "server answered without token ids: is this vLLM with return_token_ids support?"
+        )
+    get_run_logger().info(
+        "answer: %r (%d tokens)", result.content, len(result.completion_token_ids)
+    )
     return result
 
 

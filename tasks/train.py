@@ -21,11 +21,21 @@ from tasks.caching import ARTIFACT_KEY
 from tasks.retries import TIMEOUT_S, transient_only
 
 
-@task(name="train", cache_policy=ARTIFACT_KEY, retries=1, retry_delay_seconds=exponential_backoff(30),
-      retry_condition_fn=transient_only, timeout_seconds=TIMEOUT_S["train"])
-def train_task(cfg: PipelineConfig, out_dir: str, extract_dir: str, vocab_path: str, target_dir: str) -> dict:
+@task(
+    name="train",
+    cache_policy=ARTIFACT_KEY,
+    retries=1,
+    retry_delay_seconds=exponential_backoff(30),
+    retry_condition_fn=transient_only,
+    timeout_seconds=TIMEOUT_S["train"],
+)
+def train_task(
+    cfg: PipelineConfig, out_dir: str, extract_dir: str, vocab_path: str, target_dir: str
+) -> dict:
     logger = get_run_logger()
-    artifact = create_progress_artifact(0.0, key="train-progress", description="train: optimizer steps")
+    artifact = create_progress_artifact(
+        0.0, key="train-progress", description="train: optimizer steps"
+    )
     last = [0.0]
 
     def progress(p: dict) -> None:
@@ -38,19 +48,45 @@ def train_task(cfg: PipelineConfig, out_dir: str, extract_dir: str, vocab_path: 
     if cfg.train.nproc_per_node > 1:  # one rank per GPU under torchrun; rank 0 writes the manifest
         from eagle3.train.launch import torchrun_train
 
-        m = torchrun_train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir),
-                           cfg.train.nproc_per_node, log=logger.info)
+        m = torchrun_train(
+            cfg,
+            Path(extract_dir),
+            Path(vocab_path),
+            Path(target_dir),
+            Path(out_dir),
+            cfg.train.nproc_per_node,
+            log=logger.info,
+        )
     else:
-        m = train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress=progress)
+        m = train(
+            cfg,
+            Path(extract_dir),
+            Path(vocab_path),
+            Path(target_dir),
+            Path(out_dir),
+            on_progress=progress,
+        )
     lib_wall = time.monotonic() - t0
     history = json.loads((Path(out_dir) / "metrics.json").read_text())["epochs"]
-    rows = [{"epoch": e["epoch"], "loss per step": str([round(x, 4) for x in e["loss"] if x is not None]),
-             "top-1 per step": str([round(x, 3) for x in e["top1"] if x is not None])} for e in history]
+    rows = [
+        {
+            "epoch": e["epoch"],
+            "loss per step": str([round(x, 4) for x in e["loss"] if x is not None]),
+            "top-1 per step": str([round(x, 3) for x in e["top1"] if x is not None]),
+        }
+        for e in history
+    ]
     if rows:
-        create_table_artifact(key="train-metrics", table=rows, description="Training metrics per epoch")
+        create_table_artifact(
+            key="train-metrics", table=rows, description="Training metrics per epoch"
+        )
     final = m.get("final") or {}
-    create_markdown_artifact(key="train-summary", markdown=(
-        f"# Draft trained\n\n- steps: {m['steps']} ({m['skipped_nan']} skipped for NaN)\n"
-        f"- final top-1 per TTT step: {final.get('top1')}\n- export: `{m['export']}`\n"
-        f"- plot: `{Path(out_dir) / 'metrics.png'}`\n"))
+    create_markdown_artifact(
+        key="train-summary",
+        markdown=(
+            f"# Draft trained\n\n- steps: {m['steps']} ({m['skipped_nan']} skipped for NaN)\n"
+            f"- final top-1 per TTT step: {final.get('top1')}\n- export: `{m['export']}`\n"
+            f"- plot: `{Path(out_dir) / 'metrics.png'}`\n"
+        ),
+    )
     return {**m, "lib_wall_s": round(lib_wall, 3)}

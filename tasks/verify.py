@@ -22,8 +22,12 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
     """Serve target alone, then target + draft; measure; gate; promote. Returns the report dict
     (keys include ``acceptance_length``, ``speedup``, ``gate`` {passed, reasons}, ``promoted``).
     Raises ``eagle3.verify.GateFailed`` when the gate fails (the report is on disk by then)."""
-    from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                                   update_progress_artifact)
+    from prefect.artifacts import (
+        create_markdown_artifact,
+        create_progress_artifact,
+        create_table_artifact,
+        update_progress_artifact,
+    )
 
     from eagle3.verify import GateFailed, verify
 
@@ -31,14 +35,18 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
     v = cfg.verify
     windows = (3 if v.ngram_baseline else 2) * len(v.concurrency)  # every server, every concurrency
     windows_done: dict[tuple[str, int], int] = {}
-    artifact = create_progress_artifact(0.0, key="verify-progress", description="verify: requests done")
+    artifact = create_progress_artifact(
+        0.0, key="verify-progress", description="verify: requests done"
+    )
     last = [0.0]
 
     def progress(label: str, c: int, done: int, requests: int) -> None:
         windows_done[(label, c)] = done
         if time.monotonic() - last[0] > 5:
             last[0] = time.monotonic()
-            update_progress_artifact(artifact, min(100.0, 100.0 * sum(windows_done.values()) / (windows * requests)))
+            update_progress_artifact(
+                artifact, min(100.0, 100.0 * sum(windows_done.values()) / (windows * requests))
+            )
 
     def publish(out: Path) -> None:
         report = json.loads((out / "report.json").read_text())
@@ -48,26 +56,52 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
         ng_pos = ng.get("acceptance_per_position") or []
         ng_all = ng.get("acceptance_per_position_all_steps") or []
         at = lambda xs, i: round(xs[i], 4) if i < len(xs) else None  # noqa: E731
-        create_table_artifact(key="verify-acceptance", description="Acceptance per draft position (draft vs "
-                              "the n-gram baseline)", table=[
-            {"position": i, "vLLM accepted / drafts": round(x, 4), "offline estimate": at(offline, i),
-             "n-gram (vLLM, proposing steps)": at(ng_pos, i), "n-gram (all steps, simulated)": at(ng_all, i)}
-            for i, x in enumerate(per_pos)])
+        create_table_artifact(
+            key="verify-acceptance",
+            description="Acceptance per draft position (draft vs the n-gram baseline)",
+            table=[
+                {
+                    "position": i,
+                    "vLLM accepted / drafts": round(x, 4),
+                    "offline estimate": at(offline, i),
+                    "n-gram (vLLM, proposing steps)": at(ng_pos, i),
+                    "n-gram (all steps, simulated)": at(ng_all, i),
+                }
+                for i, x in enumerate(per_pos)
+            ],
+        )
         ng_windows = {w["concurrency"]: w for w in ng.get("windows") or []}
-        create_table_artifact(key="verify-throughput", description="Baseline vs speculative vs n-gram", table=[
-            {"concurrency": w["concurrency"], "baseline tok/s": w["baseline"]["output_tokens_per_s"],
-             "speculative tok/s": w["speculative"]["output_tokens_per_s"], "speedup": w["speedup"],
-             "acceptance length": w["speculative"]["acceptance_length"],
-             "greedy mismatches": (w["outputs"] or {}).get("mismatches"),
-             "n-gram tok/s": (ng_windows.get(w["concurrency"]) or {}).get("ngram", {}).get("output_tokens_per_s"),
-             "n-gram speedup": (ng_windows.get(w["concurrency"]) or {}).get("speedup"),
-             "n-gram acceptance length": (ng_windows.get(w["concurrency"]) or {}).get("ngram", {}).get(
-                 "acceptance_length")} for w in report["windows"]])
-        create_markdown_artifact(key="verify-report", markdown=(out / "report.md").read_text()
-                                 + f"\n\nPlot: `{out / 'report.png'}`\n")
+        create_table_artifact(
+            key="verify-throughput",
+            description="Baseline vs speculative vs n-gram",
+            table=[
+                {
+                    "concurrency": w["concurrency"],
+                    "baseline tok/s": w["baseline"]["output_tokens_per_s"],
+                    "speculative tok/s": w["speculative"]["output_tokens_per_s"],
+                    "speedup": w["speedup"],
+                    "acceptance length": w["speculative"]["acceptance_length"],
+                    "greedy mismatches": (w["outputs"] or {}).get("mismatches"),
+                    "n-gram tok/s": (ng_windows.get(w["concurrency"]) or {})
+                    .get("ngram", {})
+                    .get("output_tokens_per_s"),
+                    "n-gram speedup": (ng_windows.get(w["concurrency"]) or {}).get("speedup"),
+                    "n-gram acceptance length": (ng_windows.get(w["concurrency"]) or {})
+                    .get("ngram", {})
+                    .get("acceptance_length"),
+                }
+                for w in report["windows"]
+            ],
+        )
+        create_markdown_artifact(
+            key="verify-report",
+            markdown=(out / "report.md").read_text() + f"\n\nPlot: `{out / 'report.png'}`\n",
+        )
 
     try:
-        report = verify(cfg, model, Path(draft_dir), Path(out_dir), log=logger.info, on_progress=progress)
+        report = verify(
+            cfg, model, Path(draft_dir), Path(out_dir), log=logger.info, on_progress=progress
+        )
     except GateFailed:
         if (Path(out_dir) / "report.json").is_file():
             publish(Path(out_dir))
@@ -75,9 +109,14 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
     update_progress_artifact(artifact, 100.0)
     publish(Path(out_dir))
     ng = report.get("ngram") or {}
-    logger.info("verify: acceptance length %s, speedup %s, gate passed, promoted %s; n-gram baseline %s",
-                report["acceptance_length"], report["speedup"], report["promoted"],
-                f"acceptance length {ng.get('acceptance_length')} (proposing steps), "
-                f"{ng.get('acceptance_length_all_steps')} (all steps), speedup {ng.get('speedup')}"
-                if ng.get("measured") else f"not measured ({ng.get('reason')})")
+    logger.info(
+        "verify: acceptance length %s, speedup %s, gate passed, promoted %s; n-gram baseline %s",
+        report["acceptance_length"],
+        report["speedup"],
+        report["promoted"],
+        f"acceptance length {ng.get('acceptance_length')} (proposing steps), "
+        f"{ng.get('acceptance_length_all_steps')} (all steps), speedup {ng.get('speedup')}"
+        if ng.get("measured")
+        else f"not measured ({ng.get('reason')})",
+    )
     return report

@@ -14,14 +14,28 @@ from tasks.caching import ARTIFACT_KEY
 from tasks.retries import TIMEOUT_S, transient_only
 
 
-@task(name="vocab", cache_policy=ARTIFACT_KEY, retries=1, retry_delay_seconds=10, retry_condition_fn=transient_only,
-      timeout_seconds=TIMEOUT_S["vocab"])
+@task(
+    name="vocab",
+    cache_policy=ARTIFACT_KEY,
+    retries=1,
+    retry_delay_seconds=10,
+    retry_condition_fn=transient_only,
+    timeout_seconds=TIMEOUT_S["vocab"],
+)
 def vocab_task(cfg: PipelineConfig, out_dir: str, extract_dir: str) -> dict:
     t0 = time.monotonic()
-    m = vocab_stage(Path(extract_dir), Path(out_dir), cfg.target.vocab_size, cfg.vocab.draft_vocab_size,
-                    {"target": cfg.target.model})
+    m = vocab_stage(
+        Path(extract_dir),
+        Path(out_dir),
+        cfg.target.vocab_size,
+        cfg.vocab.draft_vocab_size,
+        {"target": cfg.target.model},
+    )
     lib_wall = time.monotonic() - t0
-    create_table_artifact(key="vocab-coverage", table=m["coverage_curve"],
-                          description=f"Share of loss tokens covered by a draft vocab of each size "
-                                      f"(chosen {m['draft_vocab_size']}: {m['coverage']:.2%})")
+    create_table_artifact(
+        key="vocab-coverage",
+        table=m["coverage_curve"],
+        description=f"Share of loss tokens covered by a draft vocab of each size "
+        f"(chosen {m['draft_vocab_size']}: {m['coverage']:.2%})",
+    )
     return {**m, "lib_wall_s": round(lib_wall, 3)}

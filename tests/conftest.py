@@ -43,7 +43,9 @@ def smol_model(cpu_cfg) -> Path:
 
 def require_vllm(cfg) -> None:
     if not os.access(cfg.serve.vllm_python, os.X_OK):
-        pytest.fail(f"vLLM serving environment missing ({cfg.serve.vllm_python}): `make test` creates it")
+        pytest.fail(
+            f"vLLM serving environment missing ({cfg.serve.vllm_python}): `make test` creates it"
+        )
 
 
 def spec_counters(base_url: str) -> dict[str, float]:
@@ -66,7 +68,9 @@ def vllm_server(cpu_cfg, smol_model, tmp_path_factory):
     from eagle3.serving.server import start_server
 
     require_vllm(cpu_cfg)
-    with start_server(cpu_cfg, str(smol_model), log_dir=tmp_path_factory.mktemp("vllm-logs")) as server:
+    with start_server(
+        cpu_cfg, str(smol_model), log_dir=tmp_path_factory.mktemp("vllm-logs")
+    ) as server:
         yield server
 
 
@@ -82,8 +86,11 @@ def scripted():
 
     def start(statuses: str) -> str:
         port = free_port()
-        proc = subprocess.Popen([sys.executable, str(FAKES / "scripted_server.py"), str(port), statuses],
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(FAKES / "scripted_server.py"), str(port), statuses],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert proc.stdout.readline().strip() == "ready"
         procs.append(proc)
         return f"http://127.0.0.1:{port}"
@@ -124,7 +131,9 @@ def think_server(cpu_cfg, think_model, tmp_path_factory):
 
     cfg = load_config(CPU_PROFILE, ["serve.reasoning_parser=deepseek_r1"])
     require_vllm(cfg)
-    with start_server(cfg, str(think_model), log_dir=tmp_path_factory.mktemp("vllm-think-logs")) as server:
+    with start_server(
+        cfg, str(think_model), log_dir=tmp_path_factory.mktemp("vllm-think-logs")
+    ) as server:
         yield server
 
 
@@ -132,8 +141,16 @@ def gen_cfg(tmp_path, *overrides):
     """The CPU profile, small and fast, writing under tmp_path."""
     from eagle3.config import load_config
 
-    return load_config(CPU_PROFILE, [f"paths.runs_dir={tmp_path}", "generate.max_tokens=24",
-                                     "generate.backoff_base_s=0.05", "generate.backoff_max_s=0.2", *overrides])
+    return load_config(
+        CPU_PROFILE,
+        [
+            f"paths.runs_dir={tmp_path}",
+            "generate.max_tokens=24",
+            "generate.backoff_base_s=0.05",
+            "generate.backoff_max_s=0.2",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +159,9 @@ def gen_dir(vllm_server, tmp_path_factory) -> Path:
     from eagle3.generate.runner import generate
 
     root = tmp_path_factory.mktemp("generated")
-    cfg = gen_cfg(root, "generate.num_samples=8", "generate.max_tokens=40", "generate.concurrency=8")
+    cfg = gen_cfg(
+        root, "generate.num_samples=8", "generate.max_tokens=40", "generate.concurrency=8"
+    )
     generate(cfg, [vllm_server.base_url], root / "generate")
     return root / "generate"
 
@@ -158,7 +177,9 @@ def trained_draft(gen_dir, smol_model, tmp_path_factory) -> Path:
     cfg = gen_cfg(root, "train.epochs=2", "train.lr=1e-3", "train.token_budget=512")
     extract(cfg, gen_dir, root / "extract", str(smol_model))
     vocab_stage(root / "extract", root / "vocab", 49152, 512)
-    m = train(cfg, root / "extract", root / "vocab" / "vocab.safetensors", smol_model, root / "train")
+    m = train(
+        cfg, root / "extract", root / "vocab" / "vocab.safetensors", smol_model, root / "train"
+    )
     assert m["complete"] and m["steps"] > 0
     return Path(m["export"])
 
@@ -187,17 +208,32 @@ class TinyHero:
     summary: dict
 
     def with_runs_dir(self, runs_dir: Path) -> list[str]:
-        return [o for o in self.overrides if not o.startswith("paths.runs_dir=")] + [f"paths.runs_dir={runs_dir}"]
+        return [o for o in self.overrides if not o.startswith("paths.runs_dir=")] + [
+            f"paths.runs_dir={runs_dir}"
+        ]
 
 
 def tiny_hero_overrides(runs_dir: Path, dataset: Path, base_url: str) -> list[str]:
     """The CPU profile shrunk to seconds per stage, against an external (already running) server."""
-    return ["serve.backend=external", f"serve.base_url={base_url}", f"paths.runs_dir={runs_dir}",
-            f"generate.dataset={dataset}", "generate.num_samples=null", "generate.max_tokens=16",
-            "generate.concurrency=4", "train.epochs=1", "vocab.draft_vocab_size=256",
-            "verify.workload=mt_bench", "verify.num_prompts=2", "verify.turns=1", "verify.max_tokens=16",
-            "verify.concurrency=[1]", "verify.warmup_requests=0", "verify.offline_estimate=false",
-            "verify.min_acceptance_length=1.0"]  # a 1-epoch draft on 4 samples barely beats 1
+    return [
+        "serve.backend=external",
+        f"serve.base_url={base_url}",
+        f"paths.runs_dir={runs_dir}",
+        f"generate.dataset={dataset}",
+        "generate.num_samples=null",
+        "generate.max_tokens=16",
+        "generate.concurrency=4",
+        "train.epochs=1",
+        "vocab.draft_vocab_size=256",
+        "verify.workload=mt_bench",
+        "verify.num_prompts=2",
+        "verify.turns=1",
+        "verify.max_tokens=16",
+        "verify.concurrency=[1]",
+        "verify.warmup_requests=0",
+        "verify.offline_estimate=false",
+        "verify.min_acceptance_length=1.0",
+    ]  # a 1-epoch draft on 4 samples barely beats 1
 
 
 @pytest.fixture(scope="session")
@@ -210,7 +246,11 @@ def tiny_hero(prefect_backend, vllm_server, tmp_path_factory) -> TinyHero:
 
     root = tmp_path_factory.mktemp("tiny-hero")
     dataset = root / "prompts.jsonl"
-    dataset.write_text("".join((ROOT / "configs" / "data" / "demo-prompts.jsonl").read_text().splitlines(True)[:4]))
+    dataset.write_text(
+        "".join((ROOT / "configs" / "data" / "demo-prompts.jsonl").read_text().splitlines(True)[:4])
+    )
     overrides = tiny_hero_overrides(root / "runs", dataset, vllm_server.base_url)
-    summary = hero_run(HeroRunParams(profile=str(CPU_PROFILE), overrides=overrides, stages=TINY_STAGES))
+    summary = hero_run(
+        HeroRunParams(profile=str(CPU_PROFILE), overrides=overrides, stages=TINY_STAGES)
+    )
     return TinyHero(root / "runs", dataset, overrides, summary)

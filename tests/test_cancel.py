@@ -44,13 +44,33 @@ def _server_up(port: int) -> bool:
 
 def test_sigterm_of_verify_stops_its_server(trained_draft, tmp_path):
     port = free_port()
-    argv = [sys.executable, "-m", "eagle3.cli", "verify", "-c", str(CPU_PROFILE), "--draft", str(trained_draft),
-            "--out", str(tmp_path / "verify"), "--set", f"paths.runs_dir={tmp_path / 'runs'}",
-            "--set", f"serve.port={port}", "--set", "verify.num_prompts=2", "--set", "verify.max_tokens=64"]
-    returncode, err, _ = sigterm_when(argv, lambda: _server_up(port), port, 240,
-                                      "verify must be running with its first server up")
+    argv = [
+        sys.executable,
+        "-m",
+        "eagle3.cli",
+        "verify",
+        "-c",
+        str(CPU_PROFILE),
+        "--draft",
+        str(trained_draft),
+        "--out",
+        str(tmp_path / "verify"),
+        "--set",
+        f"paths.runs_dir={tmp_path / 'runs'}",
+        "--set",
+        f"serve.port={port}",
+        "--set",
+        "verify.num_prompts=2",
+        "--set",
+        "verify.max_tokens=64",
+    ]
+    returncode, err, _ = sigterm_when(
+        argv, lambda: _server_up(port), port, 240, "verify must be running with its first server up"
+    )
     assert returncode == 128 + signal.SIGTERM, err
-    assert "interrupted (SIGTERM): every server this command started was stopped" in " ".join(err.split()), err
+    assert "interrupted (SIGTERM): every server this command started was stopped" in " ".join(
+        err.split()
+    ), err
     assert not _wait_gone(port, 10), "no process of verify's server is left"
 
 
@@ -58,27 +78,66 @@ def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
     port, api_port = free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=api,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_RUNNER_POLL_FREQUENCY="2")
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_RUNNER_POLL_FREQUENCY="2",
+    )
     data = write_prompts(tmp_path / "prompts.jsonl", 300)
     runs = tmp_path / "runs"
     server_log, serve_log = tmp_path / "server.log", tmp_path / "serve.log"
-    server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                     str(api_port)], env, server_log)
+    server = _start(
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(api_port),
+        ],
+        env,
+        server_log,
+    )
     procs = [(server, server_log)]
     serve = None
     try:
-        _wait("prefect server", lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200, 120, procs)
-        argv = [sys.executable, "-m", "flows.serve", "--only", "hero-run", "--profile", str(CPU_PROFILE),
-                "--stages", "generate"]
-        for o in (f"paths.runs_dir={runs}", f"serve.port={port}", f"generate.dataset={data}",
-                  "generate.num_samples=null", "generate.max_tokens=64", "generate.concurrency=2"):
+        _wait(
+            "prefect server",
+            lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200,
+            120,
+            procs,
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "flows.serve",
+            "--only",
+            "hero-run",
+            "--profile",
+            str(CPU_PROFILE),
+            "--stages",
+            "generate",
+        ]
+        for o in (
+            f"paths.runs_dir={runs}",
+            f"serve.port={port}",
+            f"generate.dataset={data}",
+            "generate.num_samples=null",
+            "generate.max_tokens=64",
+            "generate.concurrency=2",
+        ):
             argv += ["--set", o]
         serve = _start(argv, env, serve_log)
         procs.append((serve, serve_log))
 
         dep = _wait("hero-run deployment", lambda: _deployment(api, "hero-run"), 120, procs)
-        run = httpx.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={}, timeout=10).json()
+        run = httpx.post(
+            f"{api}/deployments/{dep['id']}/create_flow_run", json={}, timeout=10
+        ).json()
 
         def state() -> str:
             return httpx.get(f"{api}/flow_runs/{run['id']}", timeout=5).json()["state_type"]
@@ -86,18 +145,29 @@ def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
         _wait("the run's own vLLM server up", lambda: _server_up(port), 240, procs)
         time.sleep(8)  # mid-generate: the smoke chat done, requests in flight
         assert state() == "RUNNING"
-        r = httpx.post(f"{api}/flow_runs/{run['id']}/set_state", timeout=10,
-                       json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
+        r = httpx.post(
+            f"{api}/flow_runs/{run['id']}/set_state",
+            timeout=10,
+            json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True},
+        )
         assert r.status_code in (200, 201), r.text
         _wait("the run cancelled", lambda: state() == "CANCELLED", 120, procs)
-        assert not _wait_gone(port, 30), f"the cancelled run left its vLLM server:\n{serve_log.read_text()[-3000:]}"
-        for gen_dir in (runs / "smollm2-cpu" / "generate").iterdir():  # what was written is whole and readable
+        assert not _wait_gone(port, 30), (
+            f"the cancelled run left its vLLM server:\n{serve_log.read_text()[-3000:]}"
+        )
+        # what was written is whole and readable
+        for gen_dir in (runs / "smollm2-cpu" / "generate").iterdir():
+            if not gen_dir.is_dir():
+                continue
             bad: list = []
-            saved = [s["id"] for s in iter_samples(gen_dir, on_bad=lambda *b: bad.append(b))] if gen_dir.is_dir() else []
+            saved = [
+                s["id"] for s in iter_samples(gen_dir, on_bad=lambda *b, bad=bad: bad.append(b))
+            ]
             assert not bad and len(set(saved)) == len(saved), bad
     finally:
         if serve is not None:
             _stop(serve)
         _stop(server)
-        for pid in _pids_with_arg("--port", str(port)):  # never leave a server behind, even on failure
+        # never leave a server behind, even on failure
+        for pid in _pids_with_arg("--port", str(port)):
             os.kill(pid, signal.SIGKILL)

@@ -16,19 +16,28 @@ def test_cpu_profile_loads():
 def test_kimi_profile_has_the_seed_settings():
     cfg = load_config(KIMI_PROFILE)
     t, s, g = cfg.target, cfg.serve, cfg.generate
-    assert t.model == "moonshotai/Kimi-K2.5" and t.num_hidden_layers == 61 and t.vocab_size == 163840
+    assert (
+        t.model == "moonshotai/Kimi-K2.5" and t.num_hidden_layers == 61 and t.vocab_size == 163840
+    )
     assert (t.think_start_id, t.think_end_id) == (163606, 163607) and t.expects_reasoning
     assert s.backend == "systemd" and s.unit == "vllm-kimi-k25-int4" and s.tensor_parallel_size == 8
     assert s.reasoning_parser == "kimi_k2" and s.host == "127.0.0.1"
     assert s.ready_timeout_s >= 45 * 60
-    assert (g.concurrency, g.concurrency_ceiling, g.max_tokens, g.timeout_s) == (128, 200, 8192, 1800)
+    assert (g.concurrency, g.concurrency_ceiling, g.max_tokens, g.timeout_s) == (
+        128,
+        200,
+        8192,
+        1800,
+    )
     assert (g.dataset, g.num_samples) == ("mlabonne/open-perfectblend", 10000)
     assert cfg.aux_layers == [2, 30, 58]
     assert cfg.vocab.draft_vocab_size == 32000 and cfg.train.epochs == 10
 
 
 def test_overrides_are_typed_yaml():
-    cfg = load_config(CPU_PROFILE, ["train.epochs=3", "extract.aux_layers=[1, 5, 9]", "serve.env.FOO=bar"])
+    cfg = load_config(
+        CPU_PROFILE, ["train.epochs=3", "extract.aux_layers=[1, 5, 9]", "serve.env.FOO=bar"]
+    )
     assert cfg.train.epochs == 3
     assert cfg.aux_layers == [1, 5, 9]
     assert cfg.serve.env["FOO"] == "bar" and cfg.serve.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
@@ -98,11 +107,15 @@ def test_default_aux_layers_that_collide_name_the_fix():
     with pytest.raises(ConfigError) as e:
         config_from_dict(_cpu_dict(), "p.yaml", ["target.num_hidden_layers=6"])
     msg = str(e.value)
-    assert "extract.aux_layers [2, 3, 3] must be distinct" in msg and "default (2, N//2, N-3)" in msg
+    assert (
+        "extract.aux_layers [2, 3, 3] must be distinct" in msg and "default (2, N//2, N-3)" in msg
+    )
     assert "set extract.aux_layers to distinct layer ids in [0, 6), e.g. [1, 3, 4]" in msg
     with pytest.raises(ConfigError, match=r"outside the target's 2 layers; these are the default"):
         config_from_dict(_cpu_dict(), "p.yaml", ["target.num_hidden_layers=2"])
-    cfg = config_from_dict(_cpu_dict(), "p.yaml", ["target.num_hidden_layers=6", "extract.aux_layers=[1, 3, 4]"])
+    cfg = config_from_dict(
+        _cpu_dict(), "p.yaml", ["target.num_hidden_layers=6", "extract.aux_layers=[1, 3, 4]"]
+    )
     assert cfg.aux_layers == [1, 3, 4]
     with pytest.raises(ConfigError) as e:  # an explicit list gets the plain message
         config_from_dict(_cpu_dict(), "p.yaml", ["extract.aux_layers=[2, 3, 3]"])

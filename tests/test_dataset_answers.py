@@ -24,31 +24,50 @@ def test_dataset_answers_add_the_datasets_own_answers(smol_model, tmp_path):
     from eagle3.extract.runner import extract
 
     tok = AutoTokenizer.from_pretrained(smol_model)
-    mt_bench_turn = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
-                     "experiences and must-see attractions.")
-    rows = [conv("What is 2 + 2?", "4."),                       # answered by the target in generate: left out
-            conv("Name a colour.", "Blue.", {"from": "human", "value": "Another?"}, {"from": "gpt", "value": "Red."}),
-            conv(mt_bench_turn, "Aloha!"),                      # an MT-bench prompt: excluded
-            {"conversations": [{"from": "gpt", "value": "a piece of a split conversation"}]},
-            conv("Say hi.", "Hi!"), conv("Count to three.", "1, 2, 3.")]
+    mt_bench_turn = (
+        "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+        "experiences and must-see attractions."
+    )
+    rows = [
+        conv("What is 2 + 2?", "4."),  # answered by the target in generate: left out
+        conv(
+            "Name a colour.",
+            "Blue.",
+            {"from": "human", "value": "Another?"},
+            {"from": "gpt", "value": "Red."},
+        ),
+        conv(mt_bench_turn, "Aloha!"),  # an MT-bench prompt: excluded
+        {"conversations": [{"from": "gpt", "value": "a piece of a split conversation"}]},
+        conv("Say hi.", "Hi!"),
+        conv("Count to three.", "1, 2, 3."),
+    ]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "extract.backend=hf", "extract.dataset_answers=2")
+    cfg = gen_cfg(
+        tmp_path, f"generate.dataset={data}", "extract.backend=hf", "extract.dataset_answers=2"
+    )
 
     # the generate stage's own sample for the first prompt (real ids through the chat template)
     msgs = [{"role": "user", "content": "What is 2 + 2?"}]
     gen = tmp_path / "gen"
     gen.mkdir()
     prompt_ids = template_prompt_ids(tok, msgs)
-    rec = {"id": sample_id(msgs), "messages": msgs, "prompt_token_ids": prompt_ids,
-           "completion_token_ids": tok.encode("2 + 2 = 4.", add_special_tokens=False) + [tok.eos_token_id]}
+    rec = {
+        "id": sample_id(msgs),
+        "messages": msgs,
+        "prompt_token_ids": prompt_ids,
+        "completion_token_ids": tok.encode("2 + 2 = 4.", add_special_tokens=False)
+        + [tok.eos_token_id],
+    }
     (gen / "samples-00000.jsonl").write_text(json.dumps(rec) + "\n")
     (gen / "manifest.json").write_text(json.dumps({"totals": {"samples": 1}}))
 
     picked = list(dataset_answer_examples(cfg, tok, {rec["id"]}))
     assert len(picked) == 2 and all(ex.id.startswith(ID_PREFIX) for ex in picked)
     texts = {tok.decode([i for i, m in zip(ex.input_ids, ex.loss_mask) if m]) for ex in picked}
-    assert texts <= {"Blue.<|im_end|>", "Hi!<|im_end|>", "1, 2, 3.<|im_end|>"}, "first answers only, MT-bench out"
+    assert texts <= {"Blue.<|im_end|>", "Hi!<|im_end|>", "1, 2, 3.<|im_end|>"}, (
+        "first answers only, MT-bench out"
+    )
     ex = picked[0]
     n_prompt = ex.loss_mask.index(1)
     first_user = tok.decode(ex.input_ids[:n_prompt])
@@ -56,8 +75,15 @@ def test_dataset_answers_add_the_datasets_own_answers(smol_model, tmp_path):
 
     m = extract(cfg, gen, tmp_path / "ext", str(smol_model))
     assert m["samples"] == 3 and m["this_run"]["stored"] == 3
-    assert m["this_run"]["dataset_answers"]["rows_not_taken"]["prompt answered by the target (generate)"] == 1
+    assert (
+        m["this_run"]["dataset_answers"]["rows_not_taken"][
+            "prompt answered by the target (generate)"
+        ]
+        == 1
+    )
     ds = HiddenStateDataset(tmp_path / "ext")
     assert sorted(ds.ids) == sorted([rec["id"], *(e.id for e in picked)])
-    again = extract(cfg, gen, tmp_path / "ext", str(smol_model))  # a rerun resumes: nothing computed twice
+    again = extract(
+        cfg, gen, tmp_path / "ext", str(smol_model)
+    )  # a rerun resumes: nothing computed twice
     assert again["samples"] == 3 and again["this_run"]["stored"] == 0

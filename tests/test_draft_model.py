@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.draft import DraftConfig, Eagle3Draft, Eagle3MLADraft, build_draft
 from eagle3.draft.export import (
     MLA_ARCHITECTURE,
     VLLM_WEIGHT_NAMES,
@@ -23,7 +24,6 @@ from eagle3.draft.export import (
     load_exported,
     vllm_config_dict,
 )
-from eagle3.draft import DraftConfig, Eagle3Draft, Eagle3MLADraft, build_draft
 from eagle3.draft.llama import rope_inv_freq
 from eagle3.target_checkpoint import load_target_embeddings, load_target_tensor
 from eagle3.vocab import build_vocab, draft_to_target
@@ -35,9 +35,20 @@ AUX = [2, 15, 27]
 
 
 def tiny_cfg(**kw) -> DraftConfig:
-    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                vocab_size=100, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=[1, 2, 3],
-                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128)
+    base = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+        draft_vocab_size=40,
+        target_hidden_size=24,
+        aux_layer_ids=[1, 2, 3],
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+    )
     base.update(kw)
     return DraftConfig(**base)
 
@@ -55,11 +66,21 @@ def tiny_vocab(cfg: DraftConfig, seed: int = 0):
 
 def test_config_from_smollm2(smol_model):
     cfg = DraftConfig.from_target(smol_model, 4096, AUX)
-    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.vocab_size, cfg.target_hidden_size) == (576, 1536, 9, 3, 64, 49152, 576)
+    assert (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+        cfg.target_hidden_size,
+    ) == (576, 1536, 9, 3, 64, 49152, 576)
     assert cfg.rope_theta == 100000.0 and cfg.rope_scaling is None and cfg.fc_input_size == 3 * 576
     assert cfg.tie_word_embeddings and cfg.max_position_embeddings == 8192
-    assert DraftConfig.from_target(smol_model, 4096, AUX, intermediate_size=512).intermediate_size == 512
+    assert (
+        DraftConfig.from_target(smol_model, 4096, AUX, intermediate_size=512).intermediate_size
+        == 512
+    )
     with pytest.raises(ValueError, match="distinct"):
         DraftConfig.from_target(smol_model, 4096, [2, 3, 3])
     with pytest.raises(TypeError, match="unknown"):
@@ -68,13 +89,29 @@ def test_config_from_smollm2(smol_model):
 
 def test_config_from_nested_and_legacy_rope():
     """Kimi-style text_config wrapper; transformers 4.x rope_theta + rope_scaling spelling."""
-    target = {"architectures": ["KimiK25ForConditionalGeneration"], "tie_word_embeddings": False,
-              "text_config": {"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
-                              "num_key_value_heads": 64, "vocab_size": 163840, "rms_norm_eps": 1e-6,
-                              "rope_theta": 50000.0, "max_position_embeddings": 262144,
-                              "rope_scaling": {"type": "yarn", "factor": 64.0, "beta_fast": 32, "beta_slow": 1,
-                                               "mscale": 1.0, "mscale_all_dim": 1.0,
-                                               "original_max_position_embeddings": 4096}}}
+    target = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 64,
+            "vocab_size": 163840,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 50000.0,
+            "max_position_embeddings": 262144,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 64.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+    }
     cfg = DraftConfig.from_target(target, 32000, [2, 30, 58], num_key_value_heads=8)
     assert cfg.head_dim == 112 and cfg.num_key_value_heads == 8 and cfg.vocab_size == 163840
     assert cfg.rope_type == "yarn" and cfg.rope_theta == 50000.0 and "type" not in cfg.rope_scaling
@@ -86,9 +123,16 @@ def test_config_from_nested_and_legacy_rope():
 #: RoPE (original 16 positions, so it bites at these lengths), with and without q_lora_rank.
 DRAFTS = {
     "llama": lambda: (Eagle3Draft, tiny_cfg()),
-    "mla": lambda: (Eagle3MLADraft, tiny_mla_cfg(rope_scaling=dict(KIMI_YARN, original_max_position_embeddings=16))),
-    "mla-no-q-lora": lambda: (Eagle3MLADraft, tiny_mla_cfg(
-        q_lora_rank=None, rope_scaling=dict(KIMI_YARN, original_max_position_embeddings=16))),
+    "mla": lambda: (
+        Eagle3MLADraft,
+        tiny_mla_cfg(rope_scaling=dict(KIMI_YARN, original_max_position_embeddings=16)),
+    ),
+    "mla-no-q-lora": lambda: (
+        Eagle3MLADraft,
+        tiny_mla_cfg(
+            q_lora_rank=None, rope_scaling=dict(KIMI_YARN, original_max_position_embeddings=16)
+        ),
+    ),
 }
 
 
@@ -102,7 +146,9 @@ def test_shapes_forward_backward(arch):
     assert got == {k: v for k, v in shapes.items() if k not in ("d2t", "t2d")}
     if arch.startswith("mla"):
         assert ("midlayer.self_attn.q_proj.weight" in got) == (cfg.q_lora_rank is None)
-    assert tuple(m.embed_tokens.weight.shape) == (100, 32) and not m.embed_tokens.weight.requires_grad
+    assert (
+        tuple(m.embed_tokens.weight.shape) == (100, 32) and not m.embed_tokens.weight.requires_grad
+    )
 
     b, t = 2, 9
     ids = torch.randint(0, cfg.vocab_size, (b, t))
@@ -111,13 +157,16 @@ def test_shapes_forward_backward(arch):
     assert out.shape == (b, t, 32) and logits.shape == (b, t, 40)
     # a second, unrolled step on the returned H-wide state (no fc)
     out2, logits2 = m(ids.roll(-1, 1), out)
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.randint(0, 40, (b * t,))) \
-        + torch.nn.functional.cross_entropy(logits2.flatten(0, 1), torch.randint(0, 40, (b * t,)))
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), torch.randint(0, 40, (b * t,))
+    ) + torch.nn.functional.cross_entropy(logits2.flatten(0, 1), torch.randint(0, 40, (b * t,)))
     loss.backward()
     assert m.embed_tokens.weight.grad is None
     for name, p in m.named_parameters():
         if p.requires_grad:
-            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, (
+                name
+            )
     with pytest.raises(ValueError, match="last dim"):
         m(ids, torch.randn(b, t, 7))
 
@@ -141,7 +190,9 @@ def test_causal_and_masks_and_kv_prefix(arch):
         aux2 = aux.clone()
         aux2[:, 5:] += 1.0
         out2, _ = m(ids, aux2)
-        assert torch.allclose(out[:, :5], out2[:, :5], atol=1e-6) and not torch.allclose(out[:, 5:], out2[:, 5:])
+        assert torch.allclose(out[:, :5], out2[:, :5], atol=1e-6) and not torch.allclose(
+            out[:, 5:], out2[:, 5:]
+        )
         # explicit boolean and additive masks equal to the causal default
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         assert torch.allclose(m(ids, aux, attn_mask=causal)[0], out, atol=1e-5)
@@ -156,13 +207,19 @@ def test_causal_and_masks_and_kv_prefix(arch):
         past, outs = None, []
         for i in range(t):
             o, _, kv_i = m(ids[:, i : i + 1], aux[:, i : i + 1], past_kv=past, use_cache=True)
-            past = kv_i if past is None else (torch.cat([past[0], kv_i[0]], 2), torch.cat([past[1], kv_i[1]], 2))
+            past = (
+                kv_i
+                if past is None
+                else (torch.cat([past[0], kv_i[0]], 2), torch.cat([past[1], kv_i[1]], 2))
+            )
             outs.append(o)
         assert torch.allclose(torch.cat(outs, 1), out, atol=1e-5)
         # TTT-shaped step: prefix = step 0's keys, mask causal over it + diagonal over the new block
         _, _, kv0 = m(ids, aux, use_cache=True)
         ttt_mask = torch.cat([causal, torch.eye(t, dtype=torch.bool)], dim=1)
-        o_ttt, l_ttt = m(ids.roll(-1, 1), out, past_kv=kv0, attn_mask=ttt_mask, position_ids=torch.arange(t))
+        o_ttt, l_ttt = m(
+            ids.roll(-1, 1), out, past_kv=kv0, attn_mask=ttt_mask, position_ids=torch.arange(t)
+        )
         assert o_ttt.shape == (b, t, 32) and l_ttt.shape == (b, t, 40)
         with pytest.raises(ValueError, match="attn_mask"):
             m(ids, out, past_kv=kv0, attn_mask=causal)
@@ -176,9 +233,16 @@ def test_attention_matches_transformers_llama():
     torch.manual_seed(2)
     cfg = tiny_cfg(rope_theta=100000.0)
     m = Eagle3Draft(cfg).eval()
-    hf_cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-                         max_position_embeddings=128, attention_bias=False)
+    hf_cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        max_position_embeddings=128,
+        attention_bias=False,
+    )
     hf_cfg._attn_implementation = "sdpa"
     attn = LlamaAttention(hf_cfg, layer_idx=0).eval()
     for name in ("q_proj", "k_proj", "v_proj"):
@@ -196,23 +260,44 @@ def test_attention_matches_transformers_llama():
     assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 8192},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    ],
+)
 def test_rope_scaling_matches_transformers(scaling):
     """Inverse frequencies of the scaled RoPE variants against transformers' implementations
     (vLLM's formulas were copied; transformers is an independent check)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    cfg = tiny_cfg(head_dim=64, num_attention_heads=2, num_key_value_heads=1, hidden_size=128,
-                   rope_theta=500000.0, rope_scaling=dict(scaling), max_position_embeddings=32768)
-    hf = LlamaRotaryEmbedding(LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64,
-                                          max_position_embeddings=32768,
-                                          rope_parameters={**scaling, "rope_theta": 500000.0}))
+    cfg = tiny_cfg(
+        head_dim=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=128,
+        rope_theta=500000.0,
+        rope_scaling=dict(scaling),
+        max_position_embeddings=32768,
+    )
+    hf = LlamaRotaryEmbedding(
+        LlamaConfig(
+            hidden_size=128,
+            num_attention_heads=2,
+            head_dim=64,
+            max_position_embeddings=32768,
+            rope_parameters={**scaling, "rope_theta": 500000.0},
+        )
+    )
     inv, mscale = rope_inv_freq(cfg)
     assert torch.allclose(inv, hf.inv_freq.float(), rtol=1e-5)
     assert mscale == pytest.approx(float(getattr(hf, "attention_scaling", 1.0)), rel=1e-6)
@@ -239,16 +324,27 @@ def test_load_target_tensor_sharded_opens_only_its_shard(tmp_path, monkeypatch):
 
     embed = torch.randn(50, 8)
     head = torch.randn(50, 8)
-    save_file({"model.layers.0.w": torch.randn(4, 4), "model.embed_tokens.weight": embed},
-              str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({"model.layers.1.w": torch.randn(4, 4), "lm_head.weight": head},
-              str(tmp_path / "model-00002-of-00002.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
-        "model.layers.0.w": "model-00001-of-00002.safetensors",
-        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-        "model.layers.1.w": "model-00002-of-00002.safetensors",
-        "lm_head.weight": "model-00002-of-00002.safetensors",
-    }}))
+    save_file(
+        {"model.layers.0.w": torch.randn(4, 4), "model.embed_tokens.weight": embed},
+        str(tmp_path / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"model.layers.1.w": torch.randn(4, 4), "lm_head.weight": head},
+        str(tmp_path / "model-00002-of-00002.safetensors"),
+    )
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {},
+                "weight_map": {
+                    "model.layers.0.w": "model-00001-of-00002.safetensors",
+                    "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                    "model.layers.1.w": "model-00002-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                },
+            }
+        )
+    )
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     opened: list[str] = []
     real = safetensors.safe_open
@@ -262,12 +358,17 @@ def test_load_target_tensor_sharded_opens_only_its_shard(tmp_path, monkeypatch):
     assert opened == ["model-00002-of-00002.safetensors"]
     opened.clear()
     # candidate names: the first present wins (Kimi-style prefix absent here)
-    got = load_target_tensor(tmp_path, ["language_model.model.embed_tokens.weight", "model.embed_tokens.weight"])
+    got = load_target_tensor(
+        tmp_path, ["language_model.model.embed_tokens.weight", "model.embed_tokens.weight"]
+    )
     assert torch.equal(got, embed) and opened == ["model-00001-of-00002.safetensors"]
     opened.clear()
     e, h = load_target_embeddings(tmp_path)
     assert torch.equal(e, embed) and torch.equal(h, head)
-    assert sorted(opened) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(opened) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,7 +383,10 @@ VLLM_TINY = {
     "fc.weight": (32, 72),  # ReplicatedLinear(target_hidden * num_aux, hidden)
     "midlayer.input_layernorm.weight": (32,),
     "midlayer.hidden_norm.weight": (32,),
-    "midlayer.self_attn.q_proj.weight": (32, 64),  # QKVParallelLinear(2 * hidden, head_dim, heads, kv)
+    "midlayer.self_attn.q_proj.weight": (
+        32,
+        64,
+    ),  # QKVParallelLinear(2 * hidden, head_dim, heads, kv)
     "midlayer.self_attn.k_proj.weight": (16, 64),
     "midlayer.self_attn.v_proj.weight": (16, 64),
     "midlayer.self_attn.o_proj.weight": (32, 32),
@@ -314,13 +418,25 @@ def _tiny_export(arch: str, tmp_path: Path):
 def test_export_vllm_roundtrip(arch, tmp_path):
     m, cfg, vocab, out = _tiny_export(arch, tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folder left behind"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], (
+        "temporary folder left behind"
+    )
     conf = json.loads((out / "config.json").read_text())
     assert conf == vllm_config_dict(cfg)
-    assert conf["architectures"] == {"llama": ["LlamaForCausalLMEagle3"], "mla": [MLA_ARCHITECTURE]}[arch]
+    assert (
+        conf["architectures"]
+        == {"llama": ["LlamaForCausalLMEagle3"], "mla": [MLA_ARCHITECTURE]}[arch]
+    )
     assert conf["num_hidden_layers"] == 1
-    assert conf["vocab_size"] == 100 and conf["draft_vocab_size"] == 40 and conf["target_hidden_size"] == 24
-    assert conf["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}
+    assert (
+        conf["vocab_size"] == 100
+        and conf["draft_vocab_size"] == 40
+        and conf["target_hidden_size"] == 24
+    )
+    assert conf["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "use_aux_hidden_state": True,
+    }
     assert conf["torch_dtype"] == "bfloat16" and conf["norm_before_residual"] is False
     assert conf["rope_parameters"]["rope_theta"] == 10000.0
 
@@ -343,7 +459,11 @@ def test_export_vllm_roundtrip(arch, tmp_path):
 def test_export_vllm_llama_names_and_refusals(tmp_path):
     m, cfg, vocab, out = _tiny_export("llama", tmp_path)
     conf = json.loads((out / "config.json").read_text())
-    assert conf["head_dim"] == 8 and conf["num_key_value_heads"] == 2 and conf["tie_word_embeddings"] is False
+    assert (
+        conf["head_dim"] == 8
+        and conf["num_key_value_heads"] == 2
+        and conf["tie_word_embeddings"] is False
+    )
     tensors = load_file(str(out / "model.safetensors"))
     assert set(tensors) == set(VLLM_WEIGHT_NAMES) == set(VLLM_TINY)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == VLLM_TINY
@@ -360,7 +480,9 @@ def test_export_speculators_roundtrip(tmp_path):
     cfg = tiny_cfg()
     m = Eagle3Draft(cfg)
     vocab = tiny_vocab(cfg)
-    out = export_speculators(m, cfg, vocab.d2t, vocab.t2d, tmp_path / "spec", verifier="/models/target")
+    out = export_speculators(
+        m, cfg, vocab.d2t, vocab.t2d, tmp_path / "spec", verifier="/models/target"
+    )
     conf = json.loads((out / "config.json").read_text())
     assert "model_type" not in conf and conf["speculators_model_type"] == "eagle3"
     assert conf["speculators_config"]["verifier"]["name_or_path"] == "/models/target"
@@ -380,10 +502,17 @@ def test_vllm_loader_names_from_source():
     (checked against the installed vLLM source when it is there)."""
     from tests.conftest import ROOT
 
-    candidates = list((ROOT / ".venv-vllm" / "lib").glob("python*/site-packages/vllm/model_executor/models/"
-                                                         "llama_eagle3.py"))
-    candidates += [Path("/tmp/venv-vllm-test/lib/python3.11/site-packages/vllm/model_executor/models/"
-                        "llama_eagle3.py")]
+    candidates = list(
+        (ROOT / ".venv-vllm" / "lib").glob(
+            "python*/site-packages/vllm/model_executor/models/llama_eagle3.py"
+        )
+    )
+    candidates += [
+        Path(
+            "/tmp/venv-vllm-test/lib/python3.11/site-packages/vllm/model_executor/models/"
+            "llama_eagle3.py"
+        )
+    ]
     src = next((p.read_text() for p in candidates if p.is_file()), None)
     if src is None:
         pytest.skip("vLLM source not installed here")
@@ -393,7 +522,14 @@ def test_vllm_loader_names_from_source():
     assert 'name.replace("d2t", "draft_id_to_target_id")' in src and '"t2d" in name' in src
     assert "torch.cat([embeds, hidden_states], dim=-1)" in src  # embeddings first
     assert "qkv_input_size = 2 * self.hidden_size" in src
-    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "self.fc", "self.norm", "lm_head"):
+    for n in (
+        "input_layernorm",
+        "hidden_norm",
+        "post_attention_layernorm",
+        "self.fc",
+        "self.norm",
+        "lm_head",
+    ):
         assert n in src
 
 
@@ -443,14 +579,26 @@ def test_vllm_serves_speculators_format(smol_model, random_smol_draft, tmp_path)
     cfg = load_config(CPU_PROFILE, ["serve.port=0"])
     require_vllm(cfg)
     model, vocab = random_smol_draft
-    out = export_speculators(model, model.config, vocab.d2t, vocab.t2d, tmp_path / "draft-spec",
-                             verifier=str(smol_model), num_speculative_tokens=3)
+    out = export_speculators(
+        model,
+        model.config,
+        vocab.d2t,
+        vocab.t2d,
+        tmp_path / "draft-spec",
+        verifier=str(smol_model),
+        num_speculative_tokens=3,
+    )
     delta = _serve_and_check(cfg, str(out), tmp_path / "logs")
     assert delta.get("vllm:spec_decode_num_drafts_total", 0) > 0, delta
-    assert delta.get("vllm:spec_decode_num_draft_tokens_total", 0) == 3 * delta["vllm:spec_decode_num_drafts_total"]
+    assert (
+        delta.get("vllm:spec_decode_num_draft_tokens_total", 0)
+        == 3 * delta["vllm:spec_decode_num_drafts_total"]
+    )
 
 
-def test_checkpoint_dir_finds_a_hub_id_in_the_local_cache_and_never_downloads(tmp_path, monkeypatch, smol_model):
+def test_checkpoint_dir_finds_a_hub_id_in_the_local_cache_and_never_downloads(
+    tmp_path, monkeypatch, smol_model
+):
     """Production profiles name the target by hub id (vLLM downloads it); train needs its files."""
     from huggingface_hub import constants
 
@@ -459,8 +607,11 @@ def test_checkpoint_dir_finds_a_hub_id_in_the_local_cache_and_never_downloads(tm
     assert checkpoint_dir(smol_model) == Path(smol_model)
     cache = tmp_path / "hub"
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    with pytest.raises(FileNotFoundError, match=r"target org/tiny: not a local folder, and not in the local "
-                                                r"Hugging Face cache .*set target.model"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"target org/tiny: not a local folder, and not in the local "
+        r"Hugging Face cache .*set target.model",
+    ):
         checkpoint_dir("org/tiny")
     # the cache layout vLLM's download leaves: refs/main -> snapshots/<revision>/
     snap = cache / "models--org--tiny" / "snapshots" / ("a" * 40)

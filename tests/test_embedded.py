@@ -14,8 +14,14 @@ def test_prepared_folder_is_plain_and_checked(smol_model, cpu_cfg):
     files = {p.name for p in smol_model.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", MARKER} <= files
     conf = json.loads((smol_model / "config.json").read_text())
-    assert "quantization_config" not in conf and conf["num_hidden_layers"] == cpu_cfg.target.num_hidden_layers
-    assert conf["hidden_size"] == cpu_cfg.target.hidden_size and conf["vocab_size"] == cpu_cfg.target.vocab_size
+    assert (
+        "quantization_config" not in conf
+        and conf["num_hidden_layers"] == cpu_cfg.target.num_hidden_layers
+    )
+    assert (
+        conf["hidden_size"] == cpu_cfg.target.hidden_size
+        and conf["vocab_size"] == cpu_cfg.target.vocab_size
+    )
     marker = json.loads((smol_model / MARKER).read_text())
     spec = embedded.spec("smollm2-135m-instruct")
     assert marker["gguf_sha256"] == sha256_file(embedded.gguf_path(spec))

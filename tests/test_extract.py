@@ -8,7 +8,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3.extract.inputs import build_example, iter_examples
 from eagle3.extract.runner import TokenizerMismatch, extract
-from eagle3.extract.storage import HiddenStateDataset, Sample, ShardWriter, dequantize_fp8, quantize_fp8
+from eagle3.extract.storage import (
+    HiddenStateDataset,
+    Sample,
+    ShardWriter,
+    dequantize_fp8,
+    quantize_fp8,
+)
 from eagle3.generate.storage import iter_samples
 from tests.conftest import gen_cfg
 
@@ -31,16 +37,26 @@ def test_mask_covers_exactly_the_assistant_tokens(gen_dir, smol_model):
 
 def test_mask_with_think_tokens():
     """A template that opens <think>: reasoning, </think>, answer and end token carry loss; <think> does not."""
-    sample = {"id": "x", "prompt_token_ids": [1, 520, 9531, 198, 15, 198], "completion_token_ids": [44, 45, 16, 46, 2]}
+    sample = {
+        "id": "x",
+        "prompt_token_ids": [1, 520, 9531, 198, 15, 198],
+        "completion_token_ids": [44, 45, 16, 46, 2],
+    }
     ex = build_example(sample)
     assert ex.input_ids == [1, 520, 9531, 198, 15, 198, 44, 45, 16, 46, 2]
     assert ex.loss_mask == [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
 
 
 def test_truncation_policy(gen_dir):
-    cut = [x for x in iter_examples(gen_dir, max_seq_len=40, truncation="truncate") if not isinstance(x, tuple)]
+    cut = [
+        x
+        for x in iter_examples(gen_dir, max_seq_len=40, truncation="truncate")
+        if not isinstance(x, tuple)
+    ]
     assert cut and all(len(x.input_ids) <= 40 for x in cut) and any(x.truncated_from for x in cut)
-    skipped = [x for x in iter_examples(gen_dir, max_seq_len=40, truncation="skip") if isinstance(x, tuple)]
+    skipped = [
+        x for x in iter_examples(gen_dir, max_seq_len=40, truncation="skip") if isinstance(x, tuple)
+    ]
     assert skipped and all("> max_seq_len 40" in reason for _, reason in skipped)
 
 
@@ -48,7 +64,9 @@ def test_hf_backend_matches_transformers(gen_dir, smol_model, tmp_path):
     cfg = gen_cfg(tmp_path, "extract.token_budget=256")
     m = extract(cfg, gen_dir, tmp_path / "extract", str(smol_model))
     assert m["samples"] == 8 and m["aux_layers"] == [2, 15, 27] and m["tokenizer_fingerprint"]
-    assert m["bytes_per_token"] == pytest.approx(2 * (3 * 576 + 576) + 9, abs=2)  # bf16 states + ids/mask
+    assert m["bytes_per_token"] == pytest.approx(
+        2 * (3 * 576 + 576) + 9, abs=2
+    )  # bf16 states + ids/mask
     ds = HiddenStateDataset(tmp_path / "extract", dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(smol_model, dtype=torch.float32).eval()
     worst = 0.0
@@ -76,7 +94,15 @@ def test_fp8_storage_is_half_the_bytes_and_close(tmp_path):
     for dtype in ("bfloat16", "float8_e4m3fn"):
         w = ShardWriter(tmp_path / dtype, dtype, samples_per_shard=4)
         for i in range(4):
-            w.add(Sample(f"s{i}", torch.arange(50), torch.ones(50, dtype=torch.bool), torch.randn(50, 96), torch.randn(50, 32)))
+            w.add(
+                Sample(
+                    f"s{i}",
+                    torch.arange(50),
+                    torch.ones(50, dtype=torch.bool),
+                    torch.randn(50, 96),
+                    torch.randn(50, 32),
+                )
+            )
         w.close()
         sizes[dtype] = w.bytes_written
         back = HiddenStateDataset(tmp_path / dtype)[2]
@@ -111,7 +137,9 @@ def test_nan_samples_skipped_and_resume_by_id(gen_dir, smol_model, tmp_path, mon
     monkeypatch.setattr(hf, "forward_states", real)
     (out / ".hidden-00009.safetensors.tmp").write_bytes(b"half a shard")  # left by a killed run
     m2 = extract(cfg, gen_dir, out, str(smol_model))
-    assert m2["samples"] == 8 and m2["this_run"]["resumed_from"] == 7 and m2["this_run"]["stored"] == 1
+    assert (
+        m2["samples"] == 8 and m2["this_run"]["resumed_from"] == 7 and m2["this_run"]["stored"] == 1
+    )
     assert not list(out.glob(".*.tmp"))
     ds = HiddenStateDataset(out)
     assert len(set(ds.ids)) == 8
@@ -169,8 +197,12 @@ def test_hf_backend_on_a_tiny_deepseek_v3(gen_dir, smol_model, tmp_path):
     from eagle3.tiny import make_tiny_deepseek_v3
 
     tiny = make_tiny_deepseek_v3(tmp_path / "tiny-dsv3", tokenizer_from=smol_model)
-    target = [f"target.model={tiny}", "target.num_hidden_layers=6", "target.hidden_size=256",
-              "target.architecture=deepseek_v3"]
+    target = [
+        f"target.model={tiny}",
+        "target.num_hidden_layers=6",
+        "target.hidden_size=256",
+        "target.architecture=deepseek_v3",
+    ]
     with pytest.raises(ConfigError, match=r"extract.aux_layers \[2, 3, 3\] must be distinct"):
         gen_cfg(tmp_path, *target)  # the default (2, N//2, N-3) collides on 6 layers
     cfg = gen_cfg(tmp_path, *target, "extract.aux_layers=[1, 3, 4]")
@@ -197,14 +229,17 @@ def _first_samples(gen_dir, out, n):
     return out
 
 
-def test_extract_reuses_what_a_previous_extract_with_the_same_settings_stored(gen_dir, smol_model, tmp_path,
-                                                                             monkeypatch):
+def test_extract_reuses_what_a_previous_extract_with_the_same_settings_stored(
+    gen_dir, smol_model, tmp_path, monkeypatch
+):
     """The nightly case: 5 samples extracted yesterday, 8 today: 5 copied, 3 computed; the copies
     are the stored states bit for bit. Other settings, or other tokens for an id: nothing copied."""
     from eagle3.extract.runner import settings_key
 
     cfg = gen_cfg(tmp_path)
-    old = extract(cfg, _first_samples(gen_dir, tmp_path / "gen5", 5), tmp_path / "old", str(smol_model))
+    old = extract(
+        cfg, _first_samples(gen_dir, tmp_path / "gen5", 5), tmp_path / "old", str(smol_model)
+    )
     assert old["this_run"]["stored"] == 5 and old["settings_key"] == settings_key(cfg)
     new = extract(cfg, gen_dir, tmp_path / "new", str(smol_model), reuse_from=tmp_path / "old")
     assert (new["samples"], new["this_run"]["reused"], new["this_run"]["stored"]) == (8, 5, 3)
@@ -212,9 +247,15 @@ def test_extract_reuses_what_a_previous_extract_with_the_same_settings_stored(ge
     by_id = {b[i].id: b[i] for i in range(len(b))}
     for i in range(len(a)):
         x, y = a[i], by_id[a[i].id]
-        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.aux, y.aux) and torch.equal(x.final, y.final)
+        assert (
+            torch.equal(x.input_ids, y.input_ids)
+            and torch.equal(x.aux, y.aux)
+            and torch.equal(x.final, y.final)
+        )
 
-    other = gen_cfg(tmp_path, "extract.max_seq_len=64")  # other settings: the old states do not apply
+    other = gen_cfg(
+        tmp_path, "extract.max_seq_len=64"
+    )  # other settings: the old states do not apply
     m = extract(other, gen_dir, tmp_path / "other", str(smol_model), reuse_from=tmp_path / "old")
     assert m["this_run"]["reused"] == 0 and "other settings" in m["this_run"]["reuse"]["why_not"]
     # same id, other tokens (the prompt was answered again differently): computed, not copied
@@ -231,5 +272,7 @@ def test_extract_reuses_what_a_previous_extract_with_the_same_settings_stored(ge
         raise AssertionError("the backend started with nothing to compute")
 
     monkeypatch.setattr("eagle3.extract.hf_backend.extract_hf", no_backend)
-    m = extract(cfg, tmp_path / "gen5", tmp_path / "same", str(smol_model), reuse_from=tmp_path / "old")
+    m = extract(
+        cfg, tmp_path / "gen5", tmp_path / "same", str(smol_model), reuse_from=tmp_path / "old"
+    )
     assert (m["samples"], m["this_run"]["reused"], m["this_run"]["stored"]) == (5, 5, 0)

@@ -32,7 +32,9 @@ def hf_reference(model_path, token_lists: list[list[int]]) -> list[dict[int, tor
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     captured: dict[str, torch.Tensor] = {}
-    model.model.norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("final", args[0]))
+    model.model.norm.register_forward_pre_hook(
+        lambda _m, args: captured.__setitem__("final", args[0])
+    )
     refs = []
     for ids in token_lists:
         with torch.no_grad():
@@ -62,28 +64,42 @@ def test_vllm_backend_matches_transformers_and_the_hf_backend(gen_dir, smol_mode
     t0 = time.monotonic()
     vl = extract(cfg, gen_dir, tmp_path / "vllm", str(smol_model))
     elapsed = time.monotonic() - t0
-    hf = extract(gen_cfg(tmp_path, f"extract.aux_layers={aux}"), gen_dir, tmp_path / "hf", str(smol_model))
+    hf = extract(
+        gen_cfg(tmp_path, f"extract.aux_layers={aux}"), gen_dir, tmp_path / "hf", str(smol_model)
+    )
     assert vl["samples"] == hf["samples"] == 8 and vl["backend"] == "vllm"
-    assert not list((tmp_path / "vllm" / "vllm-work" / "vllm-hidden").iterdir()), "per-request files are deleted"
+    assert not list((tmp_path / "vllm" / "vllm-work" / "vllm-hidden").iterdir()), (
+        "per-request files are deleted"
+    )
 
     got = HiddenStateDataset(tmp_path / "vllm", torch.float32)
     hfb = HiddenStateDataset(tmp_path / "hf", torch.float32)
     assert got.ids == hfb.ids
     refs = hf_reference(smol_model, [got[i].input_ids.tolist() for i in range(len(got))])
-    print(f"\nextract (vllm backend): {len(got)} samples in {elapsed:.1f} s (server start included)")
-    print(f"{'sample':>8} {'layer':>5} {'tokens':>6} {'rel':>8} {'rel vs k+-1':>11} {'vs HF backend':>13}")
+    print(
+        f"\nextract (vllm backend): {len(got)} samples in {elapsed:.1f} s (server start included)"
+    )
+    print(
+        f"{'sample':>8} {'layer':>5} {'tokens':>6} {'rel':>8} {'rel vs k+-1':>11} {'vs HF backend':>13}"
+    )
     for i, ref in enumerate(refs):
         x, y = got[i], hfb[i]
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
-        states = {k: x.aux[:, j * 576:(j + 1) * 576] for j, k in enumerate(aux)} | {N_LAYERS: x.final}
-        hf_states = {k: y.aux[:, j * 576:(j + 1) * 576] for j, k in enumerate(aux)} | {N_LAYERS: y.final}
+        states = {k: x.aux[:, j * 576 : (j + 1) * 576] for j, k in enumerate(aux)} | {
+            N_LAYERS: x.final
+        }
+        hf_states = {k: y.aux[:, j * 576 : (j + 1) * 576] for j, k in enumerate(aux)} | {
+            N_LAYERS: y.final
+        }
         for k, a in states.items():
             err = rel(a, ref[k])
             # Convention check (catches an off-by-one): HF layer k is the closest of k-1, k, k+1. Not
             # a margin: the residual stream's few huge channels change little from layer to layer.
             neighbour = min(rel(a, ref[n]) for n in (k - 1, k + 1) if n in ref)
             vs_backend = rel(a, hf_states[k])
-            print(f"{x.id[:8]:>8} {k:>5} {len(x.input_ids):>6} {err:>8.2e} {neighbour:>11.2e} {vs_backend:>13.2e}")
+            print(
+                f"{x.id[:8]:>8} {k:>5} {len(x.input_ids):>6} {err:>8.2e} {neighbour:>11.2e} {vs_backend:>13.2e}"
+            )
             assert err < TOLERANCE[k], (x.id, k, err)
             assert err < neighbour, (x.id, k, err, neighbour)
             assert vs_backend < TOLERANCE[k], (x.id, k, vs_backend)

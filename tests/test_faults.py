@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.errors import (CorruptArtifact, DiskFull, EndpointError, MissingSamples, NoResult, TokenIdMismatch)
+from eagle3.errors import (
+    CorruptArtifact,
+    DiskFull,
+    EndpointError,
+    MissingSamples,
+    NoResult,
+    TokenIdMismatch,
+)
 from eagle3.generate.prompts import sample_id
 from eagle3.generate.runner import generate
 from eagle3.generate.storage import ShardStore, iter_samples, latest_errors
@@ -31,13 +38,22 @@ from tests.conftest import CPU_PROFILE, ROOT, gen_cfg
 
 
 def write_prompts(path: Path, n: int) -> Path:
-    path.write_text("".join(json.dumps({"prompt": f"Name one fact about the number {i}."}) + "\n" for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"Name one fact about the number {i}."}) + "\n" for i in range(n)
+        )
+    )
     return path
 
 
 def sample(i: int, prompt_ids: list[int], completion_ids: list[int]) -> dict:
-    return {"id": f"s{i}", "messages": [{"role": "user", "content": f"q{i}"}], "prompt_token_ids": prompt_ids,
-            "completion_token_ids": completion_ids, "flags": []}
+    return {
+        "id": f"s{i}",
+        "messages": [{"role": "user", "content": f"q{i}"}],
+        "prompt_token_ids": prompt_ids,
+        "completion_token_ids": completion_ids,
+        "flags": [],
+    }
 
 
 def write_generate_dir(root: Path, shards: list[list[bytes]], listed: int) -> Path:
@@ -58,10 +74,16 @@ def line(record: dict) -> bytes:
 
 def test_readers_skip_a_bad_line_record_it_and_go_on(tmp_path):
     good = [line(sample(i, [1, 2], [3, 4])) for i in range(7)]
-    root = write_generate_dir(tmp_path / "gen", [good[:1] + [b'{"id": "s9", "messa\n'] + good[1:4],
-                                                 good[4:] + [b'{"id": "cut']], listed=8)
+    root = write_generate_dir(
+        tmp_path / "gen",
+        [good[:1] + [b'{"id": "s9", "messa\n'] + good[1:4], good[4:] + [b'{"id": "cut']],
+        listed=8,
+    )
     bad: list[tuple[str, str]] = []
-    ids = [s["id"] for s in iter_samples(root, on_bad=lambda where, reason: bad.append((where, reason)))]
+    ids = [
+        s["id"]
+        for s in iter_samples(root, on_bad=lambda where, reason: bad.append((where, reason)))
+    ]
     assert ids == [f"s{i}" for i in range(7)], "every good sample after the bad line is read"
     assert [w for w, _ in bad] == [f"{root}/samples-00000.jsonl:2", f"{root}/samples-00001.jsonl:4"]
     assert "unreadable line" in bad[0][1] and "cut off" in bad[1][1]
@@ -72,7 +94,9 @@ def test_readers_skip_a_bad_line_record_it_and_go_on(tmp_path):
     assert len(list(iter_samples(root, on_bad=lambda *_: None))) == 7
 
 
-def test_extract_records_bad_lines_refuses_foreign_ids_and_zero_samples(cpu_cfg, smol_model, tmp_path):
+def test_extract_records_bad_lines_refuses_foreign_ids_and_zero_samples(
+    cpu_cfg, smol_model, tmp_path
+):
     from transformers import AutoTokenizer
 
     from eagle3.extract.runner import extract
@@ -81,13 +105,25 @@ def test_extract_records_bad_lines_refuses_foreign_ids_and_zero_samples(cpu_cfg,
     ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     good = [line(sample(i, ids(f"Question {i}?"), ids(f"Answer {i}."))) for i in range(3)]
     foreign = line(sample(7, ids("Question?"), [5, 999_999]))  # an id past SmolLM2's 49152
-    root = write_generate_dir(tmp_path / "gen", [good[:1] + [b"{not json\n"] + good[1:] + [foreign]], listed=5)
+    root = write_generate_dir(
+        tmp_path / "gen", [good[:1] + [b"{not json\n"] + good[1:] + [foreign]], listed=5
+    )
     cfg = gen_cfg(tmp_path, "extract.backend=hf")
     m = extract(cfg, root, tmp_path / "ext", str(smol_model))
-    assert m["samples"] == 3 and m["this_run"]["unreadable"] == 1, "all 3 good samples, none dropped silently"
-    reasons = [json.loads(x)["reason"] for x in (tmp_path / "ext" / "errors.jsonl").read_text().splitlines()]
-    assert any(r.startswith(f"{root}/samples-00000.jsonl:2: unreadable line") for r in reasons), reasons
-    assert any("token id 999999 outside the target's vocabulary (target.vocab_size 49152)" in r for r in reasons)
+    assert m["samples"] == 3 and m["this_run"]["unreadable"] == 1, (
+        "all 3 good samples, none dropped silently"
+    )
+    reasons = [
+        json.loads(x)["reason"]
+        for x in (tmp_path / "ext" / "errors.jsonl").read_text().splitlines()
+    ]
+    assert any(r.startswith(f"{root}/samples-00000.jsonl:2: unreadable line") for r in reasons), (
+        reasons
+    )
+    assert any(
+        "token id 999999 outside the target's vocabulary (target.vocab_size 49152)" in r
+        for r in reasons
+    )
     # a shard gone missing: the manifest lists more than is there and nothing says why
     (root / "samples-00000.jsonl").write_bytes(b"".join(good[:2]))
     with pytest.raises(MissingSamples, match=r"manifest.json lists 5 samples, the shards hold 2"):
@@ -107,11 +143,18 @@ def test_train_without_a_finite_step_fails_and_exports_nothing(tmp_path):
     from tests.test_train import make_cfg, make_data, make_target, make_vocab
 
     target, embed = make_target(tmp_path / "target")
-    data = make_data(tmp_path / "extract", embed, n=8, nan_ids=(3,))  # one NaN sample: one batch per epoch
+    data = make_data(
+        tmp_path / "extract", embed, n=8, nan_ids=(3,)
+    )  # one NaN sample: one batch per epoch
     vocab = make_vocab(data, tmp_path / "vocab.safetensors")
-    with pytest.raises(TrainingDiverged, match=r"only 0 of 2 optimizer steps were finite.*nothing was exported"):
+    with pytest.raises(
+        TrainingDiverged, match=r"only 0 of 2 optimizer steps were finite.*nothing was exported"
+    ):
         train(make_cfg(epochs=2, token_budget=1024), data, vocab, target, tmp_path / "train")
-    assert not (tmp_path / "train" / "manifest.json").exists() and not (tmp_path / "train" / "vllm-draft").exists()
+    assert (
+        not (tmp_path / "train" / "manifest.json").exists()
+        and not (tmp_path / "train" / "vllm-draft").exists()
+    )
 
 
 def test_a_truncated_shard_is_named(tmp_path):
@@ -124,7 +167,9 @@ def test_a_truncated_shard_is_named(tmp_path):
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
     for open_it in (lambda: HiddenStateDataset(data), lambda: ShardWriter(data)):
-        with pytest.raises(CorruptArtifact, match=rf"{shard}: truncated safetensors shard .*rerun extract"):
+        with pytest.raises(
+            CorruptArtifact, match=rf"{shard}: truncated safetensors shard .*rerun extract"
+        ):
             open_it()
 
 
@@ -147,9 +192,21 @@ def test_vocab_fails_when_a_shard_is_missing(tmp_path):
 def test_readiness_accepts_v1_and_fails_fast_on_404(vllm_server):
     base = vllm_server.base_url
     t0 = time.monotonic()
-    wait_until_ready(f"{base}/v1/", vllm_server.model, timeout_s=10, poll_interval_s=0.5, check_alive=lambda: None)
+    wait_until_ready(
+        f"{base}/v1/",
+        vllm_server.model,
+        timeout_s=10,
+        poll_interval_s=0.5,
+        check_alive=lambda: None,
+    )
     with pytest.raises(EndpointError, match=rf"{base}/wrong/health answered 404"):
-        wait_until_ready(f"{base}/wrong", vllm_server.model, timeout_s=600, poll_interval_s=1, check_alive=lambda: None)
+        wait_until_ready(
+            f"{base}/wrong",
+            vllm_server.model,
+            timeout_s=600,
+            poll_interval_s=1,
+            check_alive=lambda: None,
+        )
     assert time.monotonic() - t0 < 10, "a 404 is not waited out"
     assert probe(f"{base}/v1", vllm_server.model) is None
 
@@ -159,16 +216,33 @@ def test_a_wrong_url_is_fatal_and_a_rerun_redoes_what_it_poisoned(vllm_server, t
     data = write_prompts(tmp_path / "p.jsonl", 3)
     cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "generate.max_tokens=8")
     out = tmp_path / "gen"
-    with pytest.raises(EndpointError, match=rf"{vllm_server.base_url}/wrong/v1/models answered 404: check the URL"):
+    with pytest.raises(
+        EndpointError, match=rf"{vllm_server.base_url}/wrong/v1/models answered 404: check the URL"
+    ):
         generate(cfg, [f"{vllm_server.base_url}/wrong"], out)
     with pytest.raises(EndpointError, match=r"does not list 'nope'.*target.served_model_name"):
-        generate(gen_cfg(tmp_path, f"generate.dataset={data}", "target.served_model_name=nope"), [vllm_server.base_url], out)
-    assert not list(iter_samples(out)) and not latest_errors(out), "no prompt was charged with the wrong URL"
+        generate(
+            gen_cfg(tmp_path, f"generate.dataset={data}", "target.served_model_name=nope"),
+            [vllm_server.base_url],
+            out,
+        )
+    assert not list(iter_samples(out)) and not latest_errors(out), (
+        "no prompt was charged with the wrong URL"
+    )
     # a folder poisoned before the fix: a 404 recorded as one prompt's permanent rejection
     poisoned = sample_id([{"role": "user", "content": "Name one fact about the number 1."}])
     out.mkdir()
-    (out / "errors.jsonl").write_text(json.dumps({"id": poisoned, "source": "line 2", "kind": "rejected",
-                                                  "reason": "rejected by server (404): Not Found"}) + "\n")
+    (out / "errors.jsonl").write_text(
+        json.dumps(
+            {
+                "id": poisoned,
+                "source": "line 2",
+                "kind": "rejected",
+                "reason": "rejected by server (404): Not Found",
+            }
+        )
+        + "\n"
+    )
     m = generate(cfg, [f"{vllm_server.base_url}/v1"], out)  # the fixed URL, in the OpenAI form
     assert m["totals"]["samples"] == 3 and "previously_rejected" not in m["this_run"]["counts"]
     assert m["totals"]["errors_by_kind"] == {}
@@ -176,7 +250,12 @@ def test_a_wrong_url_is_fatal_and_a_rerun_redoes_what_it_poisoned(vllm_server, t
 
 def test_404_from_the_completions_endpoint_is_fatal(scripted, tmp_path):
     data = write_prompts(tmp_path / "p.jsonl", 4)
-    cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "target.served_model_name=zero", "generate.concurrency=1")
+    cfg = gen_cfg(
+        tmp_path,
+        f"generate.dataset={data}",
+        "target.served_model_name=zero",
+        "generate.concurrency=1",
+    )
     url = scripted("404")
     with pytest.raises(EndpointError, match=rf"{url}/v1/chat/completions answered 404"):
         generate(cfg, [url], tmp_path / "gen")
@@ -188,11 +267,19 @@ def test_404_from_the_completions_endpoint_is_fatal(scripted, tmp_path):
 
 def test_a_non_json_200_is_recorded_and_a_filled_in_failure_stops_counting(scripted, tmp_path):
     data = write_prompts(tmp_path / "p.jsonl", 3)
-    cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "target.served_model_name=zero", "generate.concurrency=1")
+    cfg = gen_cfg(
+        tmp_path,
+        f"generate.dataset={data}",
+        "target.served_model_name=zero",
+        "generate.concurrency=1",
+    )
     url = scripted("299")
     m = generate(cfg, [url], tmp_path / "gen")
     (failed,) = latest_errors(tmp_path / "gen").values()
-    assert failed["kind"] == "failed" and "answered 200 with a body that is not JSON" in failed["reason"]
+    assert (
+        failed["kind"] == "failed"
+        and "answered 200 with a body that is not JSON" in failed["reason"]
+    )
     assert m["totals"]["samples"] == 2 and m["totals"]["errors_by_kind"] == {"failed": 1}
     m = generate(cfg, [url], tmp_path / "gen")  # the rerun fills it in
     assert m["totals"]["samples"] == 3 and m["totals"]["errors_by_kind"] == {}
@@ -203,9 +290,17 @@ def test_a_non_json_200_is_recorded_and_a_filled_in_failure_stops_counting(scrip
 
 def test_ids_that_are_not_the_local_tokenizers_stop_generate(scripted, smol_model, tmp_path):
     data = write_prompts(tmp_path / "p.jsonl", 3)
-    cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "target.served_model_name=zero", "generate.concurrency=1")
-    with pytest.raises(TokenIdMismatch, match=r"differ from the local tokenizer .* at position 0.*nothing of this "
-                                              r"sample was stored"):
+    cfg = gen_cfg(
+        tmp_path,
+        f"generate.dataset={data}",
+        "target.served_model_name=zero",
+        "generate.concurrency=1",
+    )
+    with pytest.raises(
+        TokenIdMismatch,
+        match=r"differ from the local tokenizer .* at position 0.*nothing of this "
+        r"sample was stored",
+    ):
         generate(cfg, [scripted("200")], tmp_path / "gen", tokenizer_path=str(smol_model))
     assert not list(iter_samples(tmp_path / "gen"))
 
@@ -216,11 +311,26 @@ def test_ids_that_are_not_the_local_tokenizers_stop_generate(scripted, smol_mode
 def test_cli_prints_one_line_and_debug_shows_the_traceback(tmp_path):
     bad = tmp_path / "prompts.json"
     bad.write_text('[{"prompt": "a"}, {"prompt": ')
-    argv = [sys.executable, "-m", "eagle3.cli", "generate", "-c", str(CPU_PROFILE), "--base-url",
-            f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "gen"), "--set", f"generate.dataset={bad}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "eagle3.cli",
+        "generate",
+        "-c",
+        str(CPU_PROFILE),
+        "--base-url",
+        f"http://127.0.0.1:{free_port()}",
+        "--out",
+        str(tmp_path / "gen"),
+        "--set",
+        f"generate.dataset={bad}",
+    ]
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert f"error: dataset file {bad} cannot be read as json" in r.stderr and "convert it to .jsonl" in r.stderr
+    assert (
+        f"error: dataset file {bad} cannot be read as json" in r.stderr
+        and "convert it to .jsonl" in r.stderr
+    )
     r = subprocess.run([*argv, "--debug"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" in r.stderr and "InputDataError" in r.stderr
 
@@ -229,14 +339,23 @@ def test_cli_prints_one_line_and_debug_shows_the_traceback(tmp_path):
 def test_disk_full_says_what_is_needed_and_a_rerun_resumes(vllm_server, tmp_path):
     small = tmp_path / "small"
     small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(small)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(small)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (not root)")
     try:
         data = write_prompts(tmp_path / "p.jsonl", 12)
-        cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "generate.concurrency=4", "generate.max_tokens=16")
-        with pytest.raises(DiskFull, match=r"disk full writing .*: about \d.* more is needed .* rerun the same command"):
+        cfg = gen_cfg(
+            tmp_path, f"generate.dataset={data}", "generate.concurrency=4", "generate.max_tokens=16"
+        )
+        with pytest.raises(
+            DiskFull,
+            match=r"disk full writing .*: about \d.* more is needed .* rerun the same command",
+        ):
             generate(cfg, [vllm_server.base_url], small / "gen")
-        before = [s["id"] for s in iter_samples(small / "gen")]  # whole records only: no torn line left behind
+        before = [
+            s["id"] for s in iter_samples(small / "gen")
+        ]  # whole records only: no torn line left behind
         assert 0 < len(before) < 12
         subprocess.run(["mount", "-o", "remount,size=4m", str(small)], check=True)
         m = generate(cfg, [vllm_server.base_url], small / "gen")
@@ -263,10 +382,14 @@ def _pids_with_arg(*args: str) -> list[int]:
     return found
 
 
-def sigterm_when(argv: list[str], ready, port: int, timeout_s: float, what: str) -> tuple[int, str, list[int]]:
+def sigterm_when(
+    argv: list[str], ready, port: int, timeout_s: float, what: str
+) -> tuple[int, str, list[int]]:
     """Run a CLI command, SIGTERM it once ``ready()`` holds with its server (``--port port``) up;
     (exit code, stderr, the server's pids at the signal)."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None and not ready() and time.monotonic() < deadline:
@@ -284,9 +407,13 @@ def sigterm_when(argv: list[str], ready, port: int, timeout_s: float, what: str)
 def test_a_server_dies_with_its_parent_after_kill_9(tmp_path):
     """kill -9 runs no cleanup at all: the child asked Linux for SIGTERM when its parent dies.
     (A real vLLM server is covered by the SIGTERM test; `sleep` stands in for its process here.)"""
-    code = ("import sys, time; from eagle3.serving.process import ChildProcess; "
-            f"c = ChildProcess(['sleep', '300'], '{tmp_path}/child.log'); print(c.pid, flush=True); time.sleep(300)")
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys, time; from eagle3.serving.process import ChildProcess; "
+        f"c = ChildProcess(['sleep', '300'], '{tmp_path}/child.log'); print(c.pid, flush=True); time.sleep(300)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     child = int(parent.stdout.readline())
     assert group_members(child)
     parent.kill()
@@ -303,14 +430,37 @@ def test_sigterm_stops_the_started_server_and_says_how_to_resume(smol_model, tmp
     port = free_port()
     out = tmp_path / "gen"
     data = write_prompts(tmp_path / "p.jsonl", 200)
-    argv = [sys.executable, "-m", "eagle3.cli", "generate", "-c", str(CPU_PROFILE), "--out", str(out),
-            "--set", f"paths.runs_dir={tmp_path / 'runs'}", "--set", f"serve.port={port}",
-            "--set", f"generate.dataset={data}", "--set", "generate.max_tokens=16", "--set", "generate.concurrency=4"]
+    argv = [
+        sys.executable,
+        "-m",
+        "eagle3.cli",
+        "generate",
+        "-c",
+        str(CPU_PROFILE),
+        "--out",
+        str(out),
+        "--set",
+        f"paths.runs_dir={tmp_path / 'runs'}",
+        "--set",
+        f"serve.port={port}",
+        "--set",
+        f"generate.dataset={data}",
+        "--set",
+        "generate.max_tokens=16",
+        "--set",
+        "generate.concurrency=4",
+    ]
     midrun = lambda: out.exists() and sum(1 for _ in iter_samples(out, on_bad=lambda *_: None)) >= 3  # noqa: E731
-    returncode, err, servers = sigterm_when(argv, midrun, port, 300, "generate must be mid-run with its server up")
+    returncode, err, servers = sigterm_when(
+        argv, midrun, port, 300, "generate must be mid-run with its server up"
+    )
     saved = sum(1 for _ in iter_samples(out))
     assert returncode == 128 + signal.SIGTERM, err
-    assert (f"interrupted (SIGTERM): every server this command started was stopped; {saved} samples are saved in "
-            f"{out}. Rerun the same command to resume.") in " ".join(err.split()), err
-    assert not any(group_members(pid) for pid in servers), "no process of the server's group is left"
+    assert (
+        f"interrupted (SIGTERM): every server this command started was stopped; {saved} samples are saved in "
+        f"{out}. Rerun the same command to resume."
+    ) in " ".join(err.split()), err
+    assert not any(group_members(pid) for pid in servers), (
+        "no process of the server's group is left"
+    )
     assert not _pids_with_arg("--port", str(port))

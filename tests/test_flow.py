@@ -19,10 +19,15 @@ def test_hero_run_flow(tiny_hero, vllm_server):
 
     summary, run_dir = tiny_hero.summary, tiny_hero.runs_dir / "smollm2-cpu"
     assert list(summary["stages"]) == TINY_STAGES
-    assert all(s["status"] == "ran" and s["state"] == "Completed" for s in summary["stages"].values())
+    assert all(
+        s["status"] == "ran" and s["state"] == "Completed" for s in summary["stages"].values()
+    )
     # generate had prompts to request: the flow attached to the external server and smoke-tested it
     assert summary["server"]["backend"] == "external" and not summary["server"]["started_here"]
-    assert "paris" in summary["smoke_chat"]["content"].lower() and summary["smoke_chat"]["completion_token_ids"]
+    assert (
+        "paris" in summary["smoke_chat"]["content"].lower()
+        and summary["smoke_chat"]["completion_token_ids"]
+    )
     assert summary["generate_status"]["pending"] == 4 and summary["failed"] is None
     on_disk = json.loads((run_dir / "hero-run.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
@@ -53,16 +58,26 @@ def test_hero_run_with_verify_prints_acceptance_length(tiny_hero, smol_model, tm
     shutil.copytree(tiny_hero.runs_dir, runs, symlinks=True)
     draft = runs / "smollm2-cpu" / "train" / "latest" / "vllm-draft"
     cfg = load_config(CPU_PROFILE, ["serve.port=0"])
-    spec = {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": cfg.verify.num_speculative_tokens}
-    with start_server(cfg, str(smol_model), speculative_config=spec, log_dir=tmp_path / "spec-logs") as server:
+    spec = {
+        "method": "eagle3",
+        "model": str(draft.resolve()),
+        "num_speculative_tokens": cfg.verify.num_speculative_tokens,
+    }
+    with start_server(
+        cfg, str(smol_model), speculative_config=spec, log_dir=tmp_path / "spec-logs"
+    ) as server:
         argv = ["--config", str(CPU_PROFILE)]
         for o in [*tiny_hero.with_runs_dir(runs), f"verify.speculative_base_url={server.base_url}"]:
             argv += ["--set", o]
         summary = main(argv)
     out = capsys.readouterr().out
     stages = summary["stages"]
-    assert [stages[s]["status"] for s in TINY_STAGES] == ["cached"] * 4 and stages["verify"]["status"] == "ran"
-    assert summary["server"] is None  # nothing to generate: no target server was started for generate
+    assert [stages[s]["status"] for s in TINY_STAGES] == ["cached"] * 4 and stages["verify"][
+        "status"
+    ] == "ran"
+    assert (
+        summary["server"] is None
+    )  # nothing to generate: no target server was started for generate
     al = summary["acceptance_length"]
     assert al is not None and 1.0 <= al <= 1 + cfg.verify.num_speculative_tokens
     assert f"acceptance length: {al}" in out.splitlines()[-1]

@@ -7,7 +7,14 @@ import pytest
 
 from eagle3.generate.client import Exhausted, Rejected, RetryPolicy, chat_request, make_pool
 from eagle3.generate.profile import pick_knee
-from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts, sample_id
+from eagle3.generate.prompts import (
+    Prompt,
+    PromptStats,
+    Skip,
+    exclusion_keys,
+    iter_prompts,
+    sample_id,
+)
 from eagle3.generate.storage import ShardStore, iter_samples, repair_jsonl
 from eagle3.serving.readiness import free_port
 
@@ -20,32 +27,51 @@ def write_lines(path, lines):
 
 
 def test_formats_ids_and_turns(tmp_path):
-    conv = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"},
-            {"from": "human", "value": "Bye?"}, {"from": "gpt", "value": "Bye"}]
-    p = write_lines(tmp_path / "d.jsonl", [
-        {"conversations": conv},
-        {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}]},
-        {"prompt": "Plain"},
-    ])
+    conv = [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello"},
+        {"from": "human", "value": "Bye?"},
+        {"from": "gpt", "value": "Bye"},
+    ]
+    p = write_lines(
+        tmp_path / "d.jsonl",
+        [
+            {"conversations": conv},
+            {
+                "messages": [
+                    {"role": "user", "content": "Q1"},
+                    {"role": "assistant", "content": "A1"},
+                ]
+            },
+            {"prompt": "Plain"},
+        ],
+    )
     first = [x for x in iter_prompts(str(p), turns="first") if isinstance(x, Prompt)]
     history = {x.messages[-1]["content"]: x for x in iter_prompts(str(p), turns="history")}
     assert sorted(m.messages[-1]["content"] for m in first) == ["Hi", "Plain", "Q1"]
     sys_first = next(m for m in first if m.messages[-1]["content"] == "Hi")
-    assert sys_first.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert sys_first.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
     assert [m["content"] for m in history["Bye?"].messages] == ["Be brief.", "Hi", "Hello", "Bye?"]
     assert sys_first.id == sample_id(sys_first.messages) and len(sys_first.id) == 24
 
 
 def test_bad_rows_are_skipped_with_reasons(tmp_path):
-    p = write_lines(tmp_path / "bad.jsonl", [
-        {"prompt": "good one"},
-        b'{"prompt": "broken',
-        b'{"prompt": "caf\xe9 latin-1"}',
-        {"prompt": "   "},
-        {"messages": [{"role": "wizard", "content": "x"}]},
-        {"other": 1},
-        {"prompt": "good one"},  # duplicate
-    ])
+    p = write_lines(
+        tmp_path / "bad.jsonl",
+        [
+            {"prompt": "good one"},
+            b'{"prompt": "broken',
+            b'{"prompt": "caf\xe9 latin-1"}',
+            {"prompt": "   "},
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            {"other": 1},
+            {"prompt": "good one"},  # duplicate
+        ],
+    )
     stats = PromptStats()
     items = list(iter_prompts(str(p), stats=stats))
     prompts = [x for x in items if isinstance(x, Prompt)]
@@ -64,7 +90,9 @@ def test_num_samples_seed_and_exclusion(tmp_path):
     a = [x.id for x in iter_prompts(str(p), num_samples=10, seed=1)]
     assert a == [x.id for x in iter_prompts(str(p), num_samples=10, seed=1)] and len(a) == 10
     assert a != [x.id for x in iter_prompts(str(p), num_samples=10, seed=2)]
-    mt = write_lines(tmp_path / "mt_bench.jsonl", [{"question_id": 81, "turns": ["Question  3", "follow-up"]}])
+    mt = write_lines(
+        tmp_path / "mt_bench.jsonl", [{"question_id": 81, "turns": ["Question  3", "follow-up"]}]
+    )
     kept = [x.messages[0]["content"] for x in iter_prompts(str(p), exclude=exclusion_keys([mt]))]
     assert "question 3" not in kept and len(kept) == 49
 
@@ -82,11 +110,16 @@ def test_shards_rotate_and_torn_tail_is_dropped(tmp_path):
     store.add({"id": "s0", "x": "dup"})  # never twice
     store.close()
     assert sorted(p.name for p in tmp_path.glob("samples-*")) == [
-        "samples-00000.jsonl", "samples-00001.jsonl", "samples-00002.jsonl.open"]
+        "samples-00000.jsonl",
+        "samples-00001.jsonl",
+        "samples-00002.jsonl.open",
+    ]
     with open(tmp_path / "samples-00002.jsonl.open", "ab") as f:
         f.write(b'{"id": "s7", "x": ')  # a kill in the middle of a write
     store = ShardStore(tmp_path, shard_size=3)
-    assert store.torn_bytes == len(b'{"id": "s7", "x": ') and store.done_ids == {f"s{i}" for i in range(7)}
+    assert store.torn_bytes == len(b'{"id": "s7", "x": ') and store.done_ids == {
+        f"s{i}" for i in range(7)
+    }
     store.add({"id": "s7", "x": 7})
     store.finalize()
     ids = [r["id"] for r in iter_samples(tmp_path)]
@@ -98,15 +131,22 @@ def test_repair_keeps_complete_records(tmp_path):
     p = tmp_path / "e.jsonl"
     p.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a"')
     records, dropped = repair_jsonl(p)
-    assert records == [{"a": 1}, {"a": 2}] and dropped == 4 and p.read_bytes() == b'{"a": 1}\n{"a": 2}\n'
+    assert (
+        records == [{"a": 1}, {"a": 2}]
+        and dropped == 4
+        and p.read_bytes() == b'{"a": 1}\n{"a": 2}\n'
+    )
 
 
 def _send(url, policy):
     async def go():
         pool = make_pool([url], api_key=None, timeout_s=5, connect_timeout_s=2, max_connections=2)
         try:
-            return await chat_request(pool, {"model": "zero", "messages": [{"role": "user", "content": "x"}],
-                                             "max_tokens": 2}, policy)
+            return await chat_request(
+                pool,
+                {"model": "zero", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+                policy,
+            )
         finally:
             await pool.close()
 
@@ -140,7 +180,10 @@ def test_backoff_has_full_jitter_and_a_cap():
 
 
 def test_knee_is_smallest_level_near_best():
-    levels = [{"concurrency": c, "tokens_per_s": t} for c, t in [(1, 30), (16, 200), (64, 285), (128, 290), (200, 289)]]
+    levels = [
+        {"concurrency": c, "tokens_per_s": t}
+        for c, t in [(1, 30), (16, 200), (64, 285), (128, 290), (200, 289)]
+    ]
     assert pick_knee(levels, 0.97) == 64
     assert pick_knee(levels, 1.0) == 128
 
@@ -148,8 +191,12 @@ def test_knee_is_smallest_level_near_best():
 def test_history_turns_keep_an_unanswered_question():
     from eagle3.generate.prompts import select_turns
 
-    answered = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    answered = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
     assert [m["content"] for m in select_turns(answered, "history")] == ["a", "b", "c"]
     assert [m["content"] for m in select_turns(answered[:3], "history")] == ["a", "b", "c"]
     assert [m["content"] for m in select_turns(answered, "first")] == ["a"]
@@ -163,13 +210,18 @@ def test_rebuild_wraps_reasoning_in_think_tokens(think_model):
 
     tok = AutoTokenizer.from_pretrained(think_model)
     msgs = [{"role": "user", "content": "What is 2+2?"}]
-    prompt, completion = rebuild_token_ids(tok, msgs, "2 plus 2 is 4.", "The answer is 4.", "stop",
-                                           think_start_id=15, think_end_id=16)
-    whole = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) + \
-        "2 plus 2 is 4.</think>The answer is 4.<|im_end|>"
+    prompt, completion = rebuild_token_ids(
+        tok, msgs, "2 plus 2 is 4.", "The answer is 4.", "stop", think_start_id=15, think_end_id=16
+    )
+    whole = (
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        + "2 plus 2 is 4.</think>The answer is 4.<|im_end|>"
+    )
     assert prompt + completion == tok(whole, add_special_tokens=False)["input_ids"]
     assert completion.count(16) == 1 and 15 not in completion  # <think> was opened by the prompt
-    _, cut = rebuild_token_ids(tok, msgs, "still thinking", None, "length", think_start_id=15, think_end_id=16)
+    _, cut = rebuild_token_ids(
+        tok, msgs, "still thinking", None, "length", think_start_id=15, think_end_id=16
+    )
     assert 16 not in cut and cut[-1] != tok.eos_token_id  # never closed, cut at max_tokens
     with pytest.raises(ValueError, match="no think tokens"):
         rebuild_token_ids(tok, msgs, "r", "c", "stop")
@@ -178,7 +230,10 @@ def test_rebuild_wraps_reasoning_in_think_tokens(think_model):
 def test_parquet_and_json_sources(tmp_path):
     import datasets
 
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(5)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(5)
+    ]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
     (tmp_path / "d.json").write_text(json.dumps(rows))
     for name in ("d.parquet", "d.json"):

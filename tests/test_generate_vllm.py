@@ -22,7 +22,10 @@ pytestmark = pytest.mark.vllm
 def write_prompts(path, n, extra=()):
     with open(path, "wb") as f:
         for i in range(n):
-            f.write(json.dumps({"prompt": f"Write one short sentence about the number {i}."}).encode() + b"\n")
+            f.write(
+                json.dumps({"prompt": f"Write one short sentence about the number {i}."}).encode()
+                + b"\n"
+            )
         for line in extra:
             f.write(line + b"\n")
     return path
@@ -30,13 +33,19 @@ def write_prompts(path, n, extra=()):
 
 def test_generate_records_exact_tokens_and_bad_input(vllm_server, smol_model, tmp_path):
     long_prompt = "word " * 2100  # > max_model_len 2048 of the CPU profile
-    data = write_prompts(tmp_path / "p.jsonl", 6, [
-        b'{"prompt": "unterminated',
-        b'{"prompt": "bad \xff byte"}',
-        b'{"prompt": ""}',
-        json.dumps({"prompt": long_prompt}).encode(),
-        json.dumps({"prompt": "Write one short sentence about the number 0."}).encode(),  # duplicate
-    ])
+    data = write_prompts(
+        tmp_path / "p.jsonl",
+        6,
+        [
+            b'{"prompt": "unterminated',
+            b'{"prompt": "bad \xff byte"}',
+            b'{"prompt": ""}',
+            json.dumps({"prompt": long_prompt}).encode(),
+            json.dumps(
+                {"prompt": "Write one short sentence about the number 0."}
+            ).encode(),  # duplicate
+        ],
+    )
     cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "generate.concurrency=4")
     out = tmp_path / "gen"
     m = generate(cfg, [vllm_server.base_url], out)
@@ -44,15 +53,26 @@ def test_generate_records_exact_tokens_and_bad_input(vllm_server, smol_model, tm
     assert len(samples) == 6 and len({s["id"] for s in samples}) == 6
     tok = AutoTokenizer.from_pretrained(smol_model)
     for s in samples:
-        assert s["token_ids_source"] == "server" and s["prompt_token_ids"] and s["completion_token_ids"]
-        assert tok.decode(s["completion_token_ids"], skip_special_tokens=True).strip() == (s["content"] or "").strip()
-        assert s["finish_reason"] in ("stop", "length") and s["truncated"] == (s["finish_reason"] == "length")
+        assert (
+            s["token_ids_source"] == "server"
+            and s["prompt_token_ids"]
+            and s["completion_token_ids"]
+        )
+        assert (
+            tok.decode(s["completion_token_ids"], skip_special_tokens=True).strip()
+            == (s["content"] or "").strip()
+        )
+        assert s["finish_reason"] in ("stop", "length") and s["truncated"] == (
+            s["finish_reason"] == "length"
+        )
         assert s["usage"]["completion_tokens"] == len(s["completion_token_ids"])
     reasons = sorted(e["reason"] for e in latest_errors(out).values())
     assert any(r.startswith("malformed JSON") for r in reasons)
     assert any(r.startswith("invalid UTF-8") for r in reasons)
     assert "empty prompt" in reasons
-    assert any(r.startswith("prompt too long:") and "max model len 2048" in r for r in reasons), reasons
+    assert any(r.startswith("prompt too long:") and "max model len 2048" in r for r in reasons), (
+        reasons
+    )
     assert m["totals"]["samples"] == 6 and m["totals"]["errors_by_kind"] == {"skipped": 4}
     assert m["this_run"]["prompt_rows"]["duplicates"] == 1
     assert m["dataset"]["fingerprint"] and m["concurrency"] == 4
@@ -73,9 +93,26 @@ def test_rejected_prompt_is_recorded_and_the_rest_go_on(vllm_server, tmp_path):
 def test_kill_9_then_resume_loses_and_duplicates_nothing(vllm_server, tmp_path):
     data = write_prompts(tmp_path / "p.jsonl", 40)
     out = tmp_path / "gen"
-    argv = [sys.executable, "-m", "eagle3.cli", "generate", "-c", str(CPU_PROFILE), "--base-url", vllm_server.base_url,
-            "--out", str(out), "--set", f"generate.dataset={data}", "--set", "generate.max_tokens=24",
-            "--set", "generate.concurrency=4", "--set", "generate.shard_size=7"]
+    argv = [
+        sys.executable,
+        "-m",
+        "eagle3.cli",
+        "generate",
+        "-c",
+        str(CPU_PROFILE),
+        "--base-url",
+        vllm_server.base_url,
+        "--out",
+        str(out),
+        "--set",
+        f"generate.dataset={data}",
+        "--set",
+        "generate.max_tokens=24",
+        "--set",
+        "generate.concurrency=4",
+        "--set",
+        "generate.shard_size=7",
+    ]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -104,8 +141,14 @@ def test_kill_9_then_resume_loses_and_duplicates_nothing(vllm_server, tmp_path):
 
 def test_server_death_fails_clearly_and_rerun_resumes(vllm_server, smol_model, tmp_path):
     data = write_prompts(tmp_path / "p.jsonl", 30)
-    cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "generate.concurrency=2", "generate.max_tokens=32",
-                  "generate.max_attempts=3", "serve.port=0")
+    cfg = gen_cfg(
+        tmp_path,
+        f"generate.dataset={data}",
+        "generate.concurrency=2",
+        "generate.max_tokens=32",
+        "generate.max_attempts=3",
+        "serve.port=0",
+    )
     out = tmp_path / "gen"
     doomed = start_server(cfg, str(smol_model), log_dir=tmp_path / "logs")
     killed = []
@@ -116,42 +159,76 @@ def test_server_death_fails_clearly_and_rerun_resumes(vllm_server, smol_model, t
             killed.append(p.done)
 
     try:
-        with pytest.raises(ServerUnavailable, match="no endpoint answers /health any more.*rerun to resume"):
+        with pytest.raises(
+            ServerUnavailable, match="no endpoint answers /health any more.*rerun to resume"
+        ):
             generate(cfg, [doomed.base_url], out, on_progress=kill_after_some)
     finally:
         doomed.stop()
     saved = {s["id"] for s in iter_samples(out)}
     assert killed and len(saved) >= 5
-    assert not [e for e in latest_errors(out).values() if e["kind"] == "failed"], "a dead server is not a bad sample"
+    assert not [e for e in latest_errors(out).values() if e["kind"] == "failed"], (
+        "a dead server is not a bad sample"
+    )
     m = generate(cfg, [vllm_server.base_url], out)  # rerun against a live server
     assert m["totals"]["samples"] == 30 and m["this_run"]["resumed_from"] == len(saved)
 
 
 def test_several_endpoints_share_the_load(vllm_server, tmp_path):
     data = write_prompts(tmp_path / "p.jsonl", 8)
-    cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "generate.balancing=round_robin", "generate.concurrency=4")
+    cfg = gen_cfg(
+        tmp_path,
+        f"generate.dataset={data}",
+        "generate.balancing=round_robin",
+        "generate.concurrency=4",
+    )
     other = vllm_server.base_url.replace("127.0.0.1", "localhost")
     generate(cfg, [vllm_server.base_url, other], tmp_path / "gen")
     used = [s["endpoint"] for s in iter_samples(tmp_path / "gen")]
     assert used.count(other) == 4 and used.count(vllm_server.base_url) == 4
 
 
-FEW_SHOT = [("What is 3+3?", "3 plus 3 is 6.", "The answer is 6."),
-            ("What is the capital of Italy?", "Italy's capital is Rome.", "Rome."),
-            ("What color is the sky?", "The sky looks blue.", "Blue.")]
+FEW_SHOT = [
+    ("What is 3+3?", "3 plus 3 is 6.", "The answer is 6."),
+    ("What is the capital of Italy?", "Italy's capital is Rome.", "Rome."),
+    ("What color is the sky?", "The sky looks blue.", "Blue."),
+]
 
 
-def test_reasoning_is_captured_and_token_ids_rebuild_identically(think_server, think_model, tmp_path):
+def test_reasoning_is_captured_and_token_ids_rebuild_identically(
+    think_server, think_model, tmp_path
+):
     """SmolLM2 does not think by itself: a few-shot history shows it how, under a template that opens <think>."""
     shots = [{"role": "system", "content": "Think inside <think> </think>, then answer."}]
     for q, r, a in FEW_SHOT:
-        shots += [{"role": "user", "content": q}, {"role": "assistant", "content": f"<think>\n{r}</think>{a}"}]
-    questions = ["What is 2+2?", "What is the capital of France?", "Name an animal.", "What is 10 minus 3?",
-                 "Name a color.", "What is the opposite of hot?"]
+        shots += [
+            {"role": "user", "content": q},
+            {"role": "assistant", "content": f"<think>\n{r}</think>{a}"},
+        ]
+    questions = [
+        "What is 2+2?",
+        "What is the capital of France?",
+        "Name an animal.",
+        "What is 10 minus 3?",
+        "Name a color.",
+        "What is the opposite of hot?",
+    ]
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"messages": shots + [{"role": "user", "content": q}]}) + "\n" for q in questions))
-    cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "generate.turns=history", "target.think_start_id=15",
-                  "target.think_end_id=16", "target.expects_reasoning=true", "generate.max_tokens=48")
+    data.write_text(
+        "".join(
+            json.dumps({"messages": shots + [{"role": "user", "content": q}]}) + "\n"
+            for q in questions
+        )
+    )
+    cfg = gen_cfg(
+        tmp_path,
+        f"generate.dataset={data}",
+        "generate.turns=history",
+        "target.think_start_id=15",
+        "target.think_end_id=16",
+        "target.expects_reasoning=true",
+        "generate.max_tokens=48",
+    )
     m = generate(cfg, [think_server.base_url], tmp_path / "gen")
     samples = list(iter_samples(tmp_path / "gen"))
     assert len(samples) == 6
@@ -162,15 +239,27 @@ def test_reasoning_is_captured_and_token_ids_rebuild_identically(think_server, t
     for s in samples:
         assert s["prompt_token_ids"][-2:] == [15, 198]  # the template opened <think>\n
         prompt_ids, completion_ids = rebuild_token_ids(
-            tok, s["messages"], s["reasoning"], s["content"], s["finish_reason"], think_start_id=15, think_end_id=16)
+            tok,
+            s["messages"],
+            s["reasoning"],
+            s["content"],
+            s["finish_reason"],
+            think_start_id=15,
+            think_end_id=16,
+        )
         assert prompt_ids == s["prompt_token_ids"]
         assert completion_ids == s["completion_token_ids"], s
 
 
 def test_expected_reasoning_missing_is_flagged(vllm_server, tmp_path):
     data = write_prompts(tmp_path / "p.jsonl", 2)
-    cfg = gen_cfg(tmp_path, f"generate.dataset={data}", "target.think_start_id=15", "target.think_end_id=16",
-                  "target.expects_reasoning=true")
+    cfg = gen_cfg(
+        tmp_path,
+        f"generate.dataset={data}",
+        "target.think_start_id=15",
+        "target.think_end_id=16",
+        "target.expects_reasoning=true",
+    )
     m = generate(cfg, [vllm_server.base_url], tmp_path / "gen")
     assert m["totals"]["flags"]["no_reasoning"] == 2
     assert all("no_reasoning" in s["flags"] for s in iter_samples(tmp_path / "gen"))
@@ -180,11 +269,35 @@ def test_profile_concurrency_and_auto(vllm_server, tmp_path):
     data = write_prompts(tmp_path / "p.jsonl", 8)
     out = tmp_path / "prof"
     r = subprocess.run(
-        [sys.executable, "-m", "eagle3.cli", "generate", "-c", str(CPU_PROFILE), "--base-url", vllm_server.base_url,
-         "--out", str(out), "--set", f"generate.dataset={data}", "--set", "generate.concurrency=auto",
-         "--set", "generate.profile_levels=[1,4]", "--set", "generate.profile_prompts=4",
-         "--set", "generate.profile_max_tokens=8", "--set", "generate.max_tokens=8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "eagle3.cli",
+            "generate",
+            "-c",
+            str(CPU_PROFILE),
+            "--base-url",
+            vllm_server.base_url,
+            "--out",
+            str(out),
+            "--set",
+            f"generate.dataset={data}",
+            "--set",
+            "generate.concurrency=auto",
+            "--set",
+            "generate.profile_levels=[1,4]",
+            "--set",
+            "generate.profile_prompts=4",
+            "--set",
+            "generate.profile_max_tokens=8",
+            "--set",
+            "generate.max_tokens=8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "profile" / "concurrency-profile.json").read_text())
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 4] and report["knee"] in (1, 4)

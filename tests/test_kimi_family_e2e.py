@@ -33,32 +33,51 @@ def test_tiny_deepseek_hero_run(prefect_backend, smol_model, tmp_path):
     from eagle3.extract.storage import HiddenStateDataset
     from flows.hero_run import HeroRunParams, hero_run
 
-    overrides = [f"paths.runs_dir={tmp_path}", "generate.num_samples=4", "generate.max_tokens=24", "train.epochs=2",
-                 "verify.num_prompts=2", "verify.turns=1", "verify.max_tokens=24", "verify.concurrency=[1]",
-                 "verify.warmup_requests=0",
-                 "verify.ngram_baseline=false"]  # the n-gram server is tested in test_verify: one start less here
+    overrides = [
+        f"paths.runs_dir={tmp_path}",
+        "generate.num_samples=4",
+        "generate.max_tokens=24",
+        "train.epochs=2",
+        "verify.num_prompts=2",
+        "verify.turns=1",
+        "verify.max_tokens=24",
+        "verify.concurrency=[1]",
+        "verify.warmup_requests=0",
+        "verify.ngram_baseline=false",
+    ]  # the n-gram server is tested in test_verify: one start less here
     cfg = load_config(PROFILE, overrides)
     require_vllm(cfg)
     assert cfg.draft_arch == "mla" and cfg.extract.backend == "vllm"
     summary = hero_run(HeroRunParams(profile=str(PROFILE), overrides=overrides))
     stages = summary["stages"]
-    assert all(stages[s]["status"] == "ran" for s in ("generate", "extract", "vocab", "train", "verify")), stages
+    assert all(
+        stages[s]["status"] == "ran" for s in ("generate", "extract", "vocab", "train", "verify")
+    ), stages
     assert summary["server"]["started_here"] and summary["server"]["backend"] == "process"
 
     draft = Path(stages["train"]["dir"]) / "vllm-draft"
     conf = json.loads((draft / "config.json").read_text())
-    assert conf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and conf["model_type"] == "deepseek_v2"
+    assert (
+        conf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+        and conf["model_type"] == "deepseek_v2"
+    )
     assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
 
     report = json.loads((Path(stages["verify"]["dir"]) / "report.json").read_text())
     w = report["windows"][0]["speculative"]
     b, a = w["counters"]["before"], w["counters"]["after"]
-    assert a["drafts"] - b["drafts"] > 0 and a["draft_tokens"] - b["draft_tokens"] == 3 * (a["drafts"] - b["drafts"])
-    assert report["acceptance_length"] == pytest.approx(1 + (a["accepted"] - b["accepted"]) / (a["drafts"] - b["drafts"]))
+    assert a["drafts"] - b["drafts"] > 0 and a["draft_tokens"] - b["draft_tokens"] == 3 * (
+        a["drafts"] - b["drafts"]
+    )
+    assert report["acceptance_length"] == pytest.approx(
+        1 + (a["accepted"] - b["accepted"]) / (a["drafts"] - b["drafts"])
+    )
     assert report["draft_dir"] == str(draft.resolve())
-    print(f"\ntiny DeepSeek-V3 hero run: {summary['wall_s']} s; verify acceptance length {report['acceptance_length']:.3f}, "
-          f"offline {report['offline'] and report['offline']['acceptance_length']}, greedy mismatches "
-          f"{report['outputs']['mismatches']}/{report['outputs']['compared']}")
+    print(
+        f"\ntiny DeepSeek-V3 hero run: {summary['wall_s']} s; verify acceptance length {report['acceptance_length']:.3f}, "
+        f"offline {report['offline'] and report['offline']['acceptance_length']}, greedy mismatches "
+        f"{report['outputs']['mismatches']}/{report['outputs']['compared']}"
+    )
 
     # The HF backend on the same generated data: same samples, states close to vLLM's.
     gen_dir, vllm_dir = Path(stages["generate"]["dir"]), Path(stages["extract"]["dir"])

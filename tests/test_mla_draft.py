@@ -21,24 +21,50 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.draft import build_draft
 from eagle3.draft.export import MLA_ARCHITECTURE, export_speculators, export_vllm, load_exported
-from eagle3.draft.mla import (Eagle3MLADraft, MLADraftConfig, apply_rope_interleaved, mla_rope, mla_weight_shapes,
-                              yarn_get_mscale)
+from eagle3.draft.mla import (
+    Eagle3MLADraft,
+    MLADraftConfig,
+    apply_rope_interleaved,
+    mla_rope,
+    mla_weight_shapes,
+    yarn_get_mscale,
+)
 from eagle3.vocab import build_vocab
 from tests.conftest import ROOT, require_vllm, spec_counters
 
 TINY_PROFILE = ROOT / "configs" / "tiny-deepseek-cpu.yaml"
 KIMI_TARGET_CONFIG = ROOT / "configs" / "targets" / "moonshotai--Kimi-K2.5.json"
-KIMI_YARN = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI_YARN = {
+    "rope_type": "yarn",
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 #: Kimi-K2.5's MLA draft: 896,169,984 trainable weights + the frozen 163840 x 7168 embedding.
 KIMI_TRAINABLE, KIMI_FROZEN = 896_169_984, 163840 * 7168
 
 
 def tiny_cfg(**kw) -> MLADraftConfig:
-    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=24,
-                qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6, vocab_size=100, draft_vocab_size=40,
-                target_hidden_size=24, aux_layer_ids=[1, 2, 3], rms_norm_eps=1e-5, rope_theta=10000.0,
-                max_position_embeddings=128)
+    base = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=6,
+        vocab_size=100,
+        draft_vocab_size=40,
+        target_hidden_size=24,
+        aux_layer_ids=[1, 2, 3],
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+    )
     base.update(kw)
     return MLADraftConfig(**base)
 
@@ -66,14 +92,26 @@ def test_config_from_tiny_deepseek_v3(tiny_target):
     from eagle3.tiny import TINY_DEEPSEEK_V3 as T
 
     cfg = MLADraftConfig.from_target(tiny_target, 2048, [1, 3, 4])
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim, cfg.v_head_dim) == (256, T["num_attention_heads"], T["q_lora_rank"], 512, 64, 64, 64)
-    assert cfg.intermediate_size == T["intermediate_size"] == 512  # the dense MLP width, not moe_intermediate_size
+    assert (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.q_lora_rank,
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    ) == (256, T["num_attention_heads"], T["q_lora_rank"], 512, 64, 64, 64)
+    assert (
+        cfg.intermediate_size == T["intermediate_size"] == 512
+    )  # the dense MLP width, not moe_intermediate_size
     assert cfg.fc_input_size == 3 * 256 and cfg.vocab_size == 49152 and cfg.rope_type == "default"
     m = build_draft(tiny_target, 2048, [1, 3, 4], arch="mla")
     assert isinstance(m, Eagle3MLADraft) and m.config == cfg
     embed = load_file(str(tiny_target / "model.safetensors"))["model.embed_tokens.weight"]
-    assert torch.equal(m.embed_tokens.weight, embed.float()) and not m.embed_tokens.weight.requires_grad
+    assert (
+        torch.equal(m.embed_tokens.weight, embed.float())
+        and not m.embed_tokens.weight.requires_grad
+    )
 
 
 def test_tiny_target_is_an_embedded_target(tiny_target, tmp_path):
@@ -84,14 +122,20 @@ def test_tiny_target_is_an_embedded_target(tiny_target, tmp_path):
     from eagle3.cli import app
     from eagle3.embedded import EmbeddedModelError, planned_path, resolve_model
 
-    assert tiny_target.name.startswith("tiny-deepseek-v3-") and (tiny_target / "tokenizer.json").is_file()
+    assert (
+        tiny_target.name.startswith("tiny-deepseek-v3-")
+        and (tiny_target / "tokenizer.json").is_file()
+    )
     runner = CliRunner()
     r = runner.invoke(app, ["prepare-model", "-c", str(TINY_PROFILE)])
     assert r.exit_code == 0 and r.output.split()[0] == str(tiny_target), r.output
     r = runner.invoke(app, ["make-tiny-target", "deepseek-v3", "-c", str(TINY_PROFILE)])
     assert r.exit_code == 0 and r.output.strip().splitlines()[-1] == str(tiny_target), r.output
     assert resolve_model("embedded:tiny-deepseek-v3", tiny_target.parent.parent) == str(tiny_target)
-    assert planned_path(tmp_path, "tiny-deepseek-v3") == (tmp_path / "models" / tiny_target.name, "not prepared yet")
+    assert planned_path(tmp_path, "tiny-deepseek-v3") == (
+        tmp_path / "models" / tiny_target.name,
+        "not prepared yet",
+    )
     with pytest.raises(EmbeddedModelError, match="not prepared yet"):
         resolve_model("embedded:tiny-deepseek-v3", tmp_path)
 
@@ -99,13 +143,23 @@ def test_tiny_target_is_an_embedded_target(tiny_target, tmp_path):
 def test_config_from_kimi_k25():
     """Kimi-K2.5 (checked-in config: text_config wrapper, YaRN x64) -> the draft's sizes and RoPE."""
     cfg = MLADraftConfig.from_target(KIMI_TARGET_CONFIG, 32000, [2, 30, 58])
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.intermediate_size) == (7168, 64, 1536, 512, 128, 64, 128, 18432)
+    assert (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.q_lora_rank,
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.intermediate_size,
+    ) == (7168, 64, 1536, 512, 128, 64, 128, 18432)
     assert cfg.vocab_size == 163840 and cfg.rope_theta == 50000.0 and cfg.rope_type == "yarn"
     assert cfg.rope_scaling == KIMI_YARN
     inv, magnitude, scale = mla_rope(cfg)
     m = 0.1 * math.log(64) + 1
-    assert inv.shape == (32,) and magnitude == pytest.approx(1.0)  # mscale / mscale_all_dim cancel on cos/sin
+    assert inv.shape == (32,) and magnitude == pytest.approx(
+        1.0
+    )  # mscale / mscale_all_dim cancel on cos/sin
     assert scale == pytest.approx(192**-0.5 * m * m) and m * m == pytest.approx(2.0047, abs=1e-4)
     shapes = mla_weight_shapes(cfg)
     assert shapes["midlayer.self_attn.q_a_proj.weight"] == (1536, 2 * 7168)
@@ -131,7 +185,10 @@ def test_draft_arch_resolution():
     from eagle3.config import load_config
     from tests.conftest import CPU_PROFILE, KIMI_PROFILE
 
-    assert load_config(KIMI_PROFILE).draft_arch == "mla" and load_config(TINY_PROFILE).draft_arch == "mla"
+    assert (
+        load_config(KIMI_PROFILE).draft_arch == "mla"
+        and load_config(TINY_PROFILE).draft_arch == "mla"
+    )
     assert load_config(CPU_PROFILE).draft_arch == "llama"  # auto, llama target
     assert load_config(CPU_PROFILE, ["target.architecture=deepseek_v3"]).draft_arch == "mla"  # auto
     assert load_config(KIMI_PROFILE, ["train.draft_arch=llama"]).draft_arch == "llama"
@@ -154,8 +211,13 @@ def test_ttt_unroll_matches_per_position_reference():
     model = Eagle3MLADraft(cfg).eval()
     T = 7
     ids = torch.randint(0, cfg.vocab_size, (1, T))
-    b = Batch(ids, torch.randn(1, T, cfg.fc_input_size), torch.zeros(1, T, 40), torch.zeros(1, T, dtype=torch.long),
-              torch.ones(1, T, dtype=torch.bool))
+    b = Batch(
+        ids,
+        torch.randn(1, T, cfg.fc_input_size),
+        torch.zeros(1, T, 40),
+        torch.zeros(1, T, dtype=torch.long),
+        torch.ones(1, T, dtype=torch.bool),
+    )
     with torch.no_grad():
         outs = [(o, lg) for _, o, lg in ttt_unroll(model, b, 3)]
         _, _, kv0 = model(step_inputs(b, 0)[0], b.aux, use_cache=True)
@@ -164,7 +226,9 @@ def test_ttt_unroll_matches_per_position_reference():
             hidden = outs[0][0][:, t : t + 1]
             for i in (1, 2):
                 x = step_inputs(b, i)[0][:, t : t + 1]
-                o, lg, kv = model(x, hidden, position_ids=torch.tensor([t + i]), past_kv=past, use_cache=True)
+                o, lg, kv = model(
+                    x, hidden, position_ids=torch.tensor([t + i]), past_kv=past, use_cache=True
+                )
                 torch.testing.assert_close(o, outs[i][0][:, t : t + 1], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(lg, outs[i][1][:, t : t + 1], atol=1e-5, rtol=1e-5)
                 past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
@@ -177,23 +241,42 @@ def test_attention_matches_transformers_deepseek_v3(q_lora_rank, rope):
     """Our MLA attention against transformers' DeepseekV3Attention (interleaved RoPE, YaRN, mscale^2
     softmax scale), its 2H-input projections widened as vLLM's input_size does."""
     from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+    )
 
     torch.manual_seed(3)
     scaling = dict(KIMI_YARN, original_max_position_embeddings=8) if rope == "kimi_yarn" else None
-    cfg = tiny_cfg(q_lora_rank=q_lora_rank, rope_scaling=scaling, rms_norm_eps=1e-6)  # HF's latent norms: 1e-6
+    cfg = tiny_cfg(
+        q_lora_rank=q_lora_rank, rope_scaling=scaling, rms_norm_eps=1e-6
+    )  # HF's latent norms: 1e-6
     m = Eagle3MLADraft(cfg).eval()
     ours = m.midlayer.self_attn
     q_out = ours.q_b_proj if q_lora_rank else ours.q_proj
     with torch.no_grad():  # sharper attention than the init gives, so RoPE and scale matter
         for w in (q_out.weight, ours.kv_b_proj.weight, ours.kv_a_proj_with_mqa.weight):
             w.mul_(8.0)
-    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0} if scaling is None else \
-        {**scaling, "rope_theta": 10000.0}
-    hf_cfg = DeepseekV3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
-                              kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
-                              rms_norm_eps=1e-5, max_position_embeddings=128, rope_parameters=rope_parameters,
-                              rope_interleave=True, attention_bias=False)
+    rope_parameters = (
+        {"rope_type": "default", "rope_theta": 10000.0}
+        if scaling is None
+        else {**scaling, "rope_theta": 10000.0}
+    )
+    hf_cfg = DeepseekV3Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=6,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        rope_parameters=rope_parameters,
+        rope_interleave=True,
+        attention_bias=False,
+    )
     hf_cfg._attn_implementation = "sdpa"
     attn = DeepseekV3Attention(hf_cfg, layer_idx=0).eval()
     names = ["kv_a_proj_with_mqa"] + (["q_a_proj"] if q_lora_rank else ["q_proj"])
@@ -217,9 +300,15 @@ def test_rope_is_interleaved_and_yarn_matches_transformers():
 
     cfg = MLADraftConfig.from_target(KIMI_TARGET_CONFIG, 32000, [2, 30, 58])
     inv, magnitude, _ = mla_rope(cfg)
-    hf = DeepseekV3RotaryEmbedding(DeepseekV3Config(hidden_size=7168, num_attention_heads=64, qk_rope_head_dim=64,
-                                                    max_position_embeddings=262144,
-                                                    rope_parameters={**KIMI_YARN, "rope_theta": 50000.0}))
+    hf = DeepseekV3RotaryEmbedding(
+        DeepseekV3Config(
+            hidden_size=7168,
+            num_attention_heads=64,
+            qk_rope_head_dim=64,
+            max_position_embeddings=262144,
+            rope_parameters={**KIMI_YARN, "rope_theta": 50000.0},
+        )
+    )
     assert torch.allclose(inv, hf.inv_freq.float(), rtol=1e-5)
     assert magnitude == pytest.approx(float(hf.attention_scaling), rel=1e-6)
     assert yarn_get_mscale(64.0, 1.0) == pytest.approx(1.4159, abs=1e-4)
@@ -241,10 +330,19 @@ def test_export_vllm_mla_fields_and_refusals(tmp_path):
     m, cfg, vocab, out = _tiny_export("mla", tmp_path)
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == [MLA_ARCHITECTURE] and conf["model_type"] == "deepseek_v2"
-    assert (conf["q_lora_rank"], conf["kv_lora_rank"], conf["qk_nope_head_dim"], conf["qk_rope_head_dim"],
-            conf["v_head_dim"], conf["intermediate_size"], conf["num_hidden_layers"]) == (16, 24, 8, 8, 6, 64, 1)
+    assert (
+        conf["q_lora_rank"],
+        conf["kv_lora_rank"],
+        conf["qk_nope_head_dim"],
+        conf["qk_rope_head_dim"],
+        conf["v_head_dim"],
+        conf["intermediate_size"],
+        conf["num_hidden_layers"],
+    ) == (16, 24, 8, 8, 6, 64, 1)
     assert conf["rope_scaling"]["rope_type"] == "yarn" and conf["rope_scaling"]["factor"] == 64.0
-    assert conf["rope_parameters"]["rope_theta"] == 10000.0 and conf["norm_before_residual"] is False
+    assert (
+        conf["rope_parameters"]["rope_theta"] == 10000.0 and conf["norm_before_residual"] is False
+    )
 
     with pytest.raises(ValueError, match="speculators format"):
         export_speculators(m, cfg, vocab.d2t, vocab.t2d, tmp_path / "spec", verifier="/x")
@@ -255,7 +353,10 @@ def test_export_vllm_mla_fields_and_refusals(tmp_path):
 
 
 def _vllm_source(name: str) -> str:
-    p = next((ROOT / ".venv-vllm" / "lib").glob(f"python*/site-packages/vllm/model_executor/{name}"), None)
+    p = next(
+        (ROOT / ".venv-vllm" / "lib").glob(f"python*/site-packages/vllm/model_executor/{name}"),
+        None,
+    )
     if p is None:
         pytest.skip("vLLM source not installed here")
     return p.read_text()
@@ -265,16 +366,24 @@ def test_vllm_loader_and_layer_from_source():
     """What this module mirrors, as vLLM 0.32's source states it."""
     src = _vllm_source("models/deepseek_eagle3.py")
     assert 'orig_to_new_substr={"midlayer.": "layers.0."}' in src
-    for stacked in ('".q_a_proj": (".fused_qkv_a_proj", 0)', '".kv_a_proj_with_mqa": (".fused_qkv_a_proj", 1)',
-                    '".gate_proj": (".gate_up_proj", 0)'):
+    for stacked in (
+        '".q_a_proj": (".fused_qkv_a_proj", 0)',
+        '".kv_a_proj_with_mqa": (".fused_qkv_a_proj", 1)',
+        '".gate_proj": (".gate_up_proj", 0)',
+    ):
         assert stacked in src
     assert 'name.replace("d2t", "draft_id_to_target_id")' in src and '"t2d" in name' in src
     assert "torch.cat([embeds, hidden_states], dim=-1)" in src  # embeddings first
     assert "input_size=2 * self.hidden_size if layer_idx == 0" in src
-    assert "self.mlp = DeepseekV2MLP(" in src and "intermediate_size=config.intermediate_size" in src
+    assert (
+        "self.mlp = DeepseekV2MLP(" in src and "intermediate_size=config.intermediate_size" in src
+    )
     v2 = _vllm_source("models/deepseek_v2.py")
     assert "is_neox_style=False" in v2 and "self.scaling = self.scaling * mscale * mscale" in v2
-    assert '"deepseek_llama_scaling"\n                if config.rope_parameters.get("attention_factor") == 1.0' in v2
+    assert (
+        '"deepseek_llama_scaling"\n                if config.rope_parameters.get("attention_factor") == 1.0'
+        in v2
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -283,21 +392,41 @@ def test_vllm_loader_and_layer_from_source():
 
 
 def test_train_stage_trains_and_exports_the_mla_draft(tmp_path):
-    from tests.test_train import DRAFT_V, H, V, make_cfg, make_data, make_vocab
-
     from eagle3.train import train
+    from tests.test_train import DRAFT_V, H, V, make_cfg, make_data, make_vocab
 
     target = tmp_path / "target"
     target.mkdir()
     embed = torch.randn(V, H, generator=torch.Generator().manual_seed(0))
-    (target / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": H,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 4, "intermediate_size": 128,
-        "moe_intermediate_size": 32, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 16, "v_head_dim": 16, "vocab_size": V, "tie_word_embeddings": True,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "rope_theta": 10000.0, "hidden_act": "silu"}))
-    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.full((H,), 0.15)},
-              str(target / "model.safetensors"))
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "hidden_size": H,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 4,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "q_lora_rank": 32,
+                "kv_lora_rank": 32,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 16,
+                "v_head_dim": 16,
+                "vocab_size": V,
+                "tie_word_embeddings": True,
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 256,
+                "rope_theta": 10000.0,
+                "hidden_act": "silu",
+            }
+        )
+    )
+    save_file(
+        {"model.embed_tokens.weight": embed, "model.norm.weight": torch.full((H,), 0.15)},
+        str(target / "model.safetensors"),
+    )
     ext = make_data(tmp_path / "extract", embed, n=16)
     vocab = make_vocab(ext, tmp_path / "vocab.safetensors")
     cfg = make_cfg(epochs=6, lr=1e-2, ttt_steps=2, draft_arch="mla")
@@ -308,7 +437,11 @@ def test_train_stage_trains_and_exports_the_mla_draft(tmp_path):
     conf = json.loads((Path(man["export"]) / "config.json").read_text())
     assert conf["architectures"] == [MLA_ARCHITECTURE] and conf["intermediate_size"] == 128
     back, d2t, _ = load_exported(man["export"])
-    assert isinstance(back, Eagle3MLADraft) and back.config.draft_vocab_size == DRAFT_V and d2t is not None
+    assert (
+        isinstance(back, Eagle3MLADraft)
+        and back.config.draft_vocab_size == DRAFT_V
+        and d2t is not None
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,8 +449,10 @@ def test_train_stage_trains_and_exports_the_mla_draft(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 PROMPTS = [
-    ("Once upon a time, in a small village by the sea, there lived an old fisherman who told stories "
-     "about the stars, the tides and the winds to every child who would listen."),
+    (
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who told stories "
+        "about the stars, the tides and the winds to every child who would listen."
+    ),
     "What is the capital of France?",
 ]
 
@@ -340,17 +475,25 @@ def served(tiny_target, tmp_path_factory):
     vocab = build_vocab(counts, 2048)
     # The draft's RoPE need not be the target's: Kimi-K2.5's YaRN x64 exercises vLLM's deepseek_yarn path.
     model = build_draft(tiny_target, 2048, [1, 3, 4], arch="mla", rope_scaling=dict(KIMI_YARN))
-    with torch.no_grad():  # sharper attention than the init gives: RoPE layout and softmax scale then matter
+    with (
+        torch.no_grad()
+    ):  # sharper attention than the init gives: RoPE layout and softmax scale then matter
         a = model.midlayer.self_attn
         for w in (a.q_b_proj.weight, a.kv_b_proj.weight, a.kv_a_proj_with_mqa.weight):
             w.mul_(6.0)
     draft = export_vllm(model, None, vocab.d2t, vocab.t2d, work / "draft")
     probe = work / "probe"
     probe.mkdir()
-    env = {**cfg.serve.env, "EAGLE3_DRAFT_PROBE_DIR": str(probe), "PYTHONPATH": str(ROOT / "tests" / "vllm_probe")}
+    env = {
+        **cfg.serve.env,
+        "EAGLE3_DRAFT_PROBE_DIR": str(probe),
+        "PYTHONPATH": str(ROOT / "tests" / "vllm_probe"),
+    }
     cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"env": env})})
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
-    with start_server(cfg, str(tiny_target), speculative_config=spec, log_dir=work / "logs") as server:
+    with start_server(
+        cfg, str(tiny_target), speculative_config=spec, log_dir=work / "logs"
+    ) as server:
         print(f"\ntiny DeepSeek-V3 + MLA draft ready in {server.ready_s:.1f} s")
         before = spec_counters(server.base_url)
         answers = []
@@ -358,15 +501,28 @@ def served(tiny_target, tmp_path_factory):
             for i, prompt in enumerate(PROMPTS):
                 if i == 0:
                     (probe / "armed").touch()
-                r = c.post("/v1/completions", json={"model": server.model, "prompt": prompt, "max_tokens": 16,
-                                                    "temperature": 0})
+                r = c.post(
+                    "/v1/completions",
+                    json={
+                        "model": server.model,
+                        "prompt": prompt,
+                        "max_tokens": 16,
+                        "temperature": 0,
+                    },
+                )
                 (probe / "armed").unlink(missing_ok=True)
                 assert r.status_code == 200, r.text
                 answers.append(r.json())
         after = spec_counters(server.base_url)
         log = server.log_path.read_text() if server.log_path else ""
-    yield {"answers": answers, "delta": {k: after[k] - before.get(k, 0.0) for k in after}, "log": log,
-           "draft": draft, "probe": probe, "target": tiny_target}
+    yield {
+        "answers": answers,
+        "delta": {k: after[k] - before.get(k, 0.0) for k in after},
+        "log": log,
+        "draft": draft,
+        "probe": probe,
+        "target": tiny_target,
+    }
 
 
 @pytest.mark.vllm
@@ -378,7 +534,10 @@ def test_vllm_serves_the_mla_draft(served):
     assert "(1, 3, 4)" in log  # the aux layers reached the target
     print(f"spec-decode counter deltas: {delta}")
     assert delta.get("vllm:spec_decode_num_drafts_total", 0) > 0, delta
-    assert delta["vllm:spec_decode_num_draft_tokens_total"] == 3 * delta["vllm:spec_decode_num_drafts_total"]
+    assert (
+        delta["vllm:spec_decode_num_draft_tokens_total"]
+        == 3 * delta["vllm:spec_decode_num_drafts_total"]
+    )
 
 
 def _records(probe: Path) -> list[tuple[str, dict[str, torch.Tensor]]]:
@@ -400,11 +559,21 @@ def test_vllm_draft_computes_what_the_pytorch_draft_computes(served):
     cached prefix) through the exported draft loaded in PyTorch (float32 vs vLLM's bf16)."""
     recs = _records(served["probe"])
     kinds = [k for k, _ in recs]
-    assert kinds[:7] == ["combine", "forward", "logits", "forward", "logits", "forward", "logits"], kinds[:10]
+    assert kinds[:7] == [
+        "combine",
+        "forward",
+        "logits",
+        "forward",
+        "logits",
+        "forward",
+        "logits",
+    ], kinds[:10]
     model, d2t, _ = load_exported(served["draft"])
     model.load_embeddings(served["target"])
     model.eval()
-    rows = torch.arange(d2t.numel()) + d2t  # vLLM's logits are over the target vocab; ours over the draft's
+    rows = (
+        torch.arange(d2t.numel()) + d2t
+    )  # vLLM's logits are over the target vocab; ours over the draft's
 
     combine, prefill, logits0 = recs[0][1], recs[1][1], recs[2][1]
     T = prefill["input_ids"].shape[0]
@@ -414,11 +583,17 @@ def test_vllm_draft_computes_what_the_pytorch_draft_computes(served):
     with torch.no_grad():
         errors["fc"] = rel(model.project(combine["aux"].float()), combine["fc"])
         assert torch.equal(prefill["hidden_states"], combine["fc"])
-        out, lg, kv = model(prefill["input_ids"][None].long(), prefill["hidden_states"].float()[None],
-                            position_ids=prefill["positions"], use_cache=True)
+        out, lg, kv = model(
+            prefill["input_ids"][None].long(),
+            prefill["hidden_states"].float()[None],
+            position_ids=prefill["positions"],
+            use_cache=True,
+        )
         errors["prefill out (pre-norm)"] = rel(out[0], prefill["prenorm"])
-        errors["prefill out - input (attention + MLP)"] = rel(out[0] - prefill["hidden_states"].float(),
-                                                              prefill["prenorm"].float() - prefill["hidden_states"].float())
+        errors["prefill out - input (attention + MLP)"] = rel(
+            out[0] - prefill["hidden_states"].float(),
+            prefill["prenorm"].float() - prefill["hidden_states"].float(),
+        )
         errors["prefill norm(out)"] = rel(model.norm(out[0]), prefill["normed"])
         vllm_logits = logits0["logits"].float()[:, rows]
         errors["first logits"] = rel(lg[0, -1:], vllm_logits)
@@ -427,11 +602,21 @@ def test_vllm_draft_computes_what_the_pytorch_draft_computes(served):
         for step in (1, 2):
             f, lgs = recs[2 * step + 1][1], recs[2 * step + 2][1]
             assert f["input_ids"].shape == (1,) and int(f["positions"]) == T - 1 + step
-            assert int(f["input_ids"]) == int(previous["logits"].argmax())  # the draft's own greedy token
-            assert torch.equal(f["hidden_states"], (prefill if step == 1 else recs[2 * step - 1][1])["prenorm"][-1:])
+            assert int(f["input_ids"]) == int(
+                previous["logits"].argmax()
+            )  # the draft's own greedy token
+            assert torch.equal(
+                f["hidden_states"],
+                (prefill if step == 1 else recs[2 * step - 1][1])["prenorm"][-1:],
+            )
             previous = lgs
-            o, l_, kv_s = model(f["input_ids"][None].long(), f["hidden_states"].float()[None],
-                                position_ids=f["positions"], past_kv=past, use_cache=True)
+            o, l_, kv_s = model(
+                f["input_ids"][None].long(),
+                f["hidden_states"].float()[None],
+                position_ids=f["positions"],
+                past_kv=past,
+                use_cache=True,
+            )
             past = (torch.cat([past[0], kv_s[0]], 2), torch.cat([past[1], kv_s[1]], 2))
             vllm_logits = lgs["logits"].float()[:, rows]
             errors[f"decode step {step} out"] = rel(o[0], f["prenorm"])
@@ -441,10 +626,15 @@ def test_vllm_draft_computes_what_the_pytorch_draft_computes(served):
         import eagle3.draft.mla as mm
 
         orig = mm._rotate_gptj
-        mm._rotate_gptj = lambda x: torch.cat([-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], -1)
+        mm._rotate_gptj = lambda x: torch.cat(
+            [-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]], -1
+        )
         try:
-            bad, _ = model(prefill["input_ids"][None].long(), prefill["hidden_states"].float()[None],
-                           position_ids=prefill["positions"])
+            bad, _ = model(
+                prefill["input_ids"][None].long(),
+                prefill["hidden_states"].float()[None],
+                position_ids=prefill["positions"],
+            )
         finally:
             mm._rotate_gptj = orig
         control = rel(bad[0], prefill["prenorm"])
@@ -452,16 +642,22 @@ def test_vllm_draft_computes_what_the_pytorch_draft_computes(served):
         attn = model.midlayer.self_attn
         scale, attn.softmax_scale = attn.softmax_scale, model.config.qk_head_dim**-0.5
         try:
-            no_mscale, _ = model(prefill["input_ids"][None].long(), prefill["hidden_states"].float()[None],
-                                 position_ids=prefill["positions"])
+            no_mscale, _ = model(
+                prefill["input_ids"][None].long(),
+                prefill["hidden_states"].float()[None],
+                position_ids=prefill["positions"],
+            )
         finally:
             attn.softmax_scale = scale
         control_scale = rel(no_mscale[0], prefill["prenorm"])
         # the noise floor: the same PyTorch draft in bf16 against itself in float32
         bf16 = load_exported(served["draft"], dtype=torch.bfloat16)[0]
         bf16.load_embeddings(served["target"])
-        own, _ = bf16.eval()(prefill["input_ids"][None].long(), prefill["hidden_states"][None],
-                             position_ids=prefill["positions"])
+        own, _ = bf16.eval()(
+            prefill["input_ids"][None].long(),
+            prefill["hidden_states"][None],
+            position_ids=prefill["positions"],
+        )
         floor = rel(own[0], out[0])
     print(f"\nrelative error, PyTorch float32 vs vLLM bf16 (prompt of {T} tokens):")
     for k, v in errors.items():
@@ -471,7 +667,10 @@ def test_vllm_draft_computes_what_the_pytorch_draft_computes(served):
     print(f"  {'bf16 PyTorch vs float32 (noise floor)':40s} {floor:.2e}")
     print(f"  proposals with the same argmax: {sum(t[0] for t in ties)} of {len(ties)}")
     assert all(v < 2e-2 for v in errors.values()), errors
-    assert errors["prefill out (pre-norm)"] < 2 * floor, (errors, floor)  # vLLM is as close as bf16 gets
+    assert errors["prefill out (pre-norm)"] < 2 * floor, (
+        errors,
+        floor,
+    )  # vLLM is as close as bf16 gets
     assert all(t[1] for t in ties), ties
     assert control > 10 * errors["prefill out (pre-norm)"], (control, errors)
     assert control_scale > 5 * errors["prefill out (pre-norm)"], (control_scale, errors)

@@ -99,12 +99,18 @@ def _vllm_proposer():
     """vLLM's own ``_find_longest_matched_ngram_and_propose_tokens``, taken from its source file
     and run as plain Python (numba's decorator dropped): no vLLM import needed."""
     np = pytest.importorskip("numpy")
-    found = sorted(ROOT.glob(".venv-vllm/lib/python3*/site-packages/vllm/v1/spec_decode/ngram_proposer.py"))
+    found = sorted(
+        ROOT.glob(".venv-vllm/lib/python3*/site-packages/vllm/v1/spec_decode/ngram_proposer.py")
+    )
     if not found:
         pytest.skip("no .venv-vllm with vLLM's ngram_proposer.py (make vllm-env)")
     tree = ast.parse(found[0].read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
-              and n.name == "_find_longest_matched_ngram_and_propose_tokens")
+    fn = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef)
+        and n.name == "_find_longest_matched_ngram_and_propose_tokens"
+    )
     fn.decorator_list = []
     ns: dict = {"np": np}
     exec(compile(ast.Module([fn], type_ignores=[]), str(found[0]), "exec"), ns)
@@ -129,6 +135,11 @@ def test_same_proposals_as_vllms_own_function():
         if rng.random() < 0.3 and len(ctx) > 6:  # plant a repeat of a longer n-gram
             i = rng.randrange(len(ctx) - 5)
             ctx += ctx[i : i + rng.randint(2, 6)]
-        assert propose_ngram(ctx, k, n_min, n_max) == vllm_propose(ctx, k, n_min, n_max), (ctx, k, n_min, n_max)
+        assert propose_ngram(ctx, k, n_min, n_max) == vllm_propose(ctx, k, n_min, n_max), (
+            ctx,
+            k,
+            n_min,
+            n_max,
+        )
         cases += 1
     assert cases == 1500

@@ -12,18 +12,32 @@ from eagle3.verify.offline import chain_accepts, chains_of_sequence, summarize_c
 
 
 def small_draft(seed: int = 0) -> Eagle3Draft:
-    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      vocab_size=6, draft_vocab_size=6, target_hidden_size=16, aux_layer_ids=[1, 2, 3],
-                      rms_norm_eps=1e-5, max_position_embeddings=256)
+    cfg = DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=6,
+        draft_vocab_size=6,
+        target_hidden_size=16,
+        aux_layer_ids=[1, 2, 3],
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(seed)
     d = Eagle3Draft(cfg)
     torch.nn.init.normal_(d.embed_tokens.weight)
-    for p in d.parameters():  # larger weights: decisive argmaxes, no near-ties between the two paths
+    for (
+        p
+    ) in d.parameters():  # larger weights: decisive argmaxes, no near-ties between the two paths
         p.data.mul_(5.0) if p.dim() >= 2 else None
     return d.eval()
 
 
-def sequence_following_draft(draft: Eagle3Draft, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_following_draft(
+    draft: Eagle3Draft, length: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ids where x[t+2] is mostly the draft's step-0 guess at t (else random), aux random."""
     g = torch.Generator().manual_seed(seed)
     aux = torch.randn(length, draft.config.fc_input_size, generator=g)
@@ -55,6 +69,8 @@ def test_batched_estimate_equals_chain_walk():
     for j in range(len(seqs)):
         fast += walk_chains(acc[j].tolist(), start, int(lengths[j]))
     assert fast == ref
-    assert {0, 1, k} <= set(ref), ref  # short and full chains both occur: the comparison means something
+    assert {0, 1, k} <= set(ref), (
+        ref
+    )  # short and full chains both occur: the comparison means something
     s = summarize_chains(fast, k)
     assert 1.0 < s["acceptance_length"] < k + 1

@@ -26,36 +26,42 @@ from tests.conftest import CPU_PROFILE, ROOT, TINY_STAGES
 # Keys: which settings rerun which stages (no server, no Prefect)
 
 
-@pytest.mark.parametrize("override, rerun", [
-    ("extract.aux_layers=[2,10,20]", ["extract", "train", "verify"]),  # vocab reads tokens, not states
-    ("extract.storage_dtype=float8_e4m3fn", ["extract", "train", "verify"]),
-    ("extract.max_seq_len=512", ["extract", "vocab", "train", "verify"]),  # the tokens change
-    ("train.epochs=3", ["train", "verify"]),
-    ("train.lr=0.01", ["train", "verify"]),
-    ("vocab.draft_vocab_size=4096", ["vocab", "train", "verify"]),
-    ("verify.max_tokens=64", ["verify"]),
-    ("verify.num_speculative_tokens=2", ["verify"]),
-    ("serve.extra_args=[]", ["verify"]),  # performance flags matter to a speed measurement only
-    ("generate.max_tokens=100", ["generate", "extract", "vocab", "train", "verify"]),
-    ("generate.temperature=0.7", ["generate", "extract", "vocab", "train", "verify"]),
-    ("serve.dtype=float16", ["generate", "extract", "vocab", "train", "verify"]),
-    ("target.model=/models/other", ["generate", "extract", "vocab", "train", "verify"]),
-    # how or where a stage runs, not what it produces: no key changes
-    ("train.grad_accum=2", ["train", "verify"]),
-    ("train.checkpoint_every_steps=7", []),
-    ("train.distributed=fsdp", []),  # the same draft, sharded differently
-    ("generate.concurrency=8", []),
-    ("generate.timeout_s=30", []),
-    ("generate.shard_size=10", []),
-    ("extract.token_budget=1024", []),
-    ("extract.device=cpu", []),
-    ("serve.port=1234", []),
-    ("serve.ready_timeout_s=60", []),
-    ("verify.timeout_s=30", []),
-    ("paths.runs_dir=/elsewhere", []),
-    ("paths.run_name=other", []),
-    ("target.served_model_name=alias", []),
-])
+@pytest.mark.parametrize(
+    "override, rerun",
+    [
+        (
+            "extract.aux_layers=[2,10,20]",
+            ["extract", "train", "verify"],
+        ),  # vocab reads tokens, not states
+        ("extract.storage_dtype=float8_e4m3fn", ["extract", "train", "verify"]),
+        ("extract.max_seq_len=512", ["extract", "vocab", "train", "verify"]),  # the tokens change
+        ("train.epochs=3", ["train", "verify"]),
+        ("train.lr=0.01", ["train", "verify"]),
+        ("vocab.draft_vocab_size=4096", ["vocab", "train", "verify"]),
+        ("verify.max_tokens=64", ["verify"]),
+        ("verify.num_speculative_tokens=2", ["verify"]),
+        ("serve.extra_args=[]", ["verify"]),  # performance flags matter to a speed measurement only
+        ("generate.max_tokens=100", ["generate", "extract", "vocab", "train", "verify"]),
+        ("generate.temperature=0.7", ["generate", "extract", "vocab", "train", "verify"]),
+        ("serve.dtype=float16", ["generate", "extract", "vocab", "train", "verify"]),
+        ("target.model=/models/other", ["generate", "extract", "vocab", "train", "verify"]),
+        # how or where a stage runs, not what it produces: no key changes
+        ("train.grad_accum=2", ["train", "verify"]),
+        ("train.checkpoint_every_steps=7", []),
+        ("train.distributed=fsdp", []),  # the same draft, sharded differently
+        ("generate.concurrency=8", []),
+        ("generate.timeout_s=30", []),
+        ("generate.shard_size=10", []),
+        ("extract.token_budget=1024", []),
+        ("extract.device=cpu", []),
+        ("serve.port=1234", []),
+        ("serve.ready_timeout_s=60", []),
+        ("verify.timeout_s=30", []),
+        ("paths.runs_dir=/elsewhere", []),
+        ("paths.run_name=other", []),
+        ("target.served_model_name=alias", []),
+    ],
+)
 def test_invalidation_matrix(cpu_cfg, override, rerun):
     assert artifacts.changed_stages(cpu_cfg, load_config(CPU_PROFILE, [override])) == rerun
 
@@ -66,7 +72,12 @@ def test_keys_follow_inputs_and_code_version(cpu_cfg, monkeypatch):
     assert artifacts.config_keys(cpu_cfg) == keys  # stable across calls
     # new generated data (same settings) reruns everything after generate, but not generate itself
     other = artifacts.config_keys(cpu_cfg, generate_data="more-samples")
-    assert [s for s in artifacts.STAGES if other[s] != keys[s]] == ["extract", "vocab", "train", "verify"]
+    assert [s for s in artifacts.STAGES if other[s] != keys[s]] == [
+        "extract",
+        "vocab",
+        "train",
+        "verify",
+    ]
     # a stage's code version is part of its key and so of every later key
     monkeypatch.setitem(artifacts.CODE_VERSIONS, "vocab", "2")
     bumped = artifacts.config_keys(cpu_cfg)
@@ -112,8 +123,10 @@ def test_generate_status_decides_without_a_server(tmp_path):
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(5)))
-    cfg = load_config(CPU_PROFILE, [f"paths.runs_dir={tmp_path}", f"generate.dataset={data}",
-                                    "generate.num_samples=null"])
+    cfg = load_config(
+        CPU_PROFILE,
+        [f"paths.runs_dir={tmp_path}", f"generate.dataset={data}", "generate.num_samples=null"],
+    )
     ids = artifacts.selected_prompt_ids(cfg)
     st = artifacts.generate_status(cfg)
     assert (st.selected, st.done, st.pending, st.sealed) == (5, 0, 5, False)
@@ -125,9 +138,20 @@ def test_generate_status_decides_without_a_server(tmp_path):
     store.finalize()
     st = artifacts.generate_status(cfg)
     assert (st.done, st.pending, st.rejected) == (2, 2, 1)
-    assert artifacts.generate_status(load_config(CPU_PROFILE, [f"paths.runs_dir={tmp_path}", f"generate.dataset={data}",
-                                                               "generate.num_samples=null",
-                                                               "generate.retry_rejected=true"])).pending == 3
+    assert (
+        artifacts.generate_status(
+            load_config(
+                CPU_PROFILE,
+                [
+                    f"paths.runs_dir={tmp_path}",
+                    f"generate.dataset={data}",
+                    "generate.num_samples=null",
+                    "generate.retry_rejected=true",
+                ],
+            )
+        ).pending
+        == 3
+    )
     key = artifacts.data_key(Path(st.out_dir), st.key)
     store = ShardStore(Path(st.out_dir))
     store.add_error({"id": ids[2], "kind": "failed", "reason": "timeout again"})
@@ -151,7 +175,9 @@ def test_generate_status_decides_without_a_server(tmp_path):
 def _run(overrides, stages=TINY_STAGES, force=(), fail=False) -> dict:
     from flows.hero_run import HeroRunParams, hero_run
 
-    params = HeroRunParams(profile=str(CPU_PROFILE), overrides=overrides, stages=list(stages), force=list(force))
+    params = HeroRunParams(
+        profile=str(CPU_PROFILE), overrides=overrides, stages=list(stages), force=list(force)
+    )
     if not fail:
         return hero_run(params)
     state = hero_run(params, return_state=True)
@@ -182,8 +208,10 @@ def test_unchanged_rerun_is_all_cache_hits_and_starts_no_server(tiny_hero, tiny_
     assert summary["generate_status"]["pending"] == 0
     for s in TINY_STAGES:  # the same folders as the first run
         assert summary["stages"][s]["key"] == tiny_hero.summary["stages"][s]["key"]
-    print(f"\nunchanged rerun of the tiny hero run: {wall:.2f} s; per stage (task s): "
-          f"{ {s: c['task_wall_s'] for s, c in summary['stages'].items()} }")
+    print(
+        f"\nunchanged rerun of the tiny hero run: {wall:.2f} s; per stage (task s): "
+        f"{ {s: c['task_wall_s'] for s, c in summary['stages'].items()} }"
+    )
     assert wall < 30
 
 
@@ -200,16 +228,31 @@ def test_rerun_after_failure_redoes_only_the_failed_stage(tiny_copy, monkeypatch
     with monkeypatch.context() as m:
         m.setattr(tasks.train, "train", broken)
         failed = _run(overrides, fail=True)
-    assert _status(failed) == {"generate": "cached", "extract": "cached", "vocab": "cached", "train": "failed"}
+    assert _status(failed) == {
+        "generate": "cached",
+        "extract": "cached",
+        "vocab": "cached",
+        "train": "failed",
+    }
     assert failed["failed"]["stage"] == "train" and "injected failure" in failed["failed"]["error"]
     assert failed["server"] is None
 
     again = _run(overrides)
-    assert _status(again) == {"generate": "cached", "extract": "cached", "vocab": "cached", "train": "ran"}
+    assert _status(again) == {
+        "generate": "cached",
+        "extract": "cached",
+        "vocab": "cached",
+        "train": "ran",
+    }
     assert again["stages"]["train"]["info"]["epochs"] == 2
 
     only_train = _run(overrides, stages=["train"])
-    assert _status(only_train) == {"generate": "latest", "extract": "latest", "vocab": "latest", "train": "cached"}
+    assert _status(only_train) == {
+        "generate": "latest",
+        "extract": "latest",
+        "vocab": "latest",
+        "train": "cached",
+    }
     assert only_train["stages"]["train"]["key"] == again["stages"]["train"]["key"]
 
 
@@ -219,12 +262,24 @@ def test_damaged_artifact_is_rebuilt_and_force_recomputes_dependants(tiny_copy):
     vocab_dir = Path(first["stages"]["vocab"]["dir"])
     (vocab_dir / "vocab.safetensors").unlink()  # a cached record alone is not trusted
     rebuilt = _run(tiny_copy)
-    assert _status(rebuilt) == {"generate": "cached", "extract": "cached", "vocab": "ran", "train": "cached"}
+    assert _status(rebuilt) == {
+        "generate": "cached",
+        "extract": "cached",
+        "vocab": "ran",
+        "train": "cached",
+    }
     assert (vocab_dir / "vocab.safetensors").is_file() and artifacts.is_complete(vocab_dir)
 
     forced = _run(tiny_copy, force=["vocab"])
-    assert _status(forced) == {"generate": "cached", "extract": "cached", "vocab": "ran", "train": "ran"}
-    assert forced["stages"]["train"]["key"] == first["stages"]["train"]["key"]  # same inputs, same folder
+    assert _status(forced) == {
+        "generate": "cached",
+        "extract": "cached",
+        "vocab": "ran",
+        "train": "ran",
+    }
+    assert (
+        forced["stages"]["train"]["key"] == first["stages"]["train"]["key"]
+    )  # same inputs, same folder
 
 
 @pytest.mark.vllm
@@ -236,7 +291,9 @@ def test_nightly_regeneration_reruns_downstream_only_when_data_changed(tiny_hero
 
     original = tiny_hero.dataset.read_text()
     try:
-        tiny_hero.dataset.write_text(original + json.dumps({"prompt": "Name a primary colour."}) + "\n")
+        tiny_hero.dataset.write_text(
+            original + json.dumps({"prompt": "Name a primary colour."}) + "\n"
+        )
         grown = _run(tiny_copy)
     finally:
         tiny_hero.dataset.write_text(original)
@@ -244,9 +301,14 @@ def test_nightly_regeneration_reruns_downstream_only_when_data_changed(tiny_hero
     assert _status(grown) == {s: "ran" for s in TINY_STAGES}
     gen = grown["stages"]["generate"]
     assert gen["key"] == unchanged["stages"]["generate"]["key"]  # the same folder, one sample more
-    assert gen["info"]["samples"] == 5 and gen["info"]["data_key"] != unchanged["stages"]["generate"]["info"]["data_key"]
+    assert (
+        gen["info"]["samples"] == 5
+        and gen["info"]["data_key"] != unchanged["stages"]["generate"]["info"]["data_key"]
+    )
     ext = grown["stages"]["extract"]["info"]
-    assert ext["samples"] == 5 and (ext["reused"], ext["computed"]) == (4, 1), ext  # only the new one computed
+    assert ext["samples"] == 5 and (ext["reused"], ext["computed"]) == (4, 1), (
+        ext
+    )  # only the new one computed
 
 
 # ---------------------------------------------------------------------------
@@ -279,7 +341,10 @@ def test_prefect_yaml_matches_the_flow():
     deps = {d["name"]: d for d in spec["deployments"]}
     assert set(deps) == {"hero-run", *ALL_STAGES, "nightly-regeneration"}
     for name, d in deps.items():
-        assert d["entrypoint"] == "flows/hero_run.py:hero_run" and d["work_pool"]["name"] == "eagle3-process"
+        assert (
+            d["entrypoint"] == "flows/hero_run.py:hero_run"
+            and d["work_pool"]["name"] == "eagle3-process"
+        )
         p = HeroRunParams.model_validate(d["parameters"]["params"])
         assert (ROOT / p.profile).is_file()
         assert p.stages == ([name] if name in ALL_STAGES else ALL_STAGES)
@@ -290,7 +355,10 @@ def test_prefect_yaml_matches_the_flow():
     units = ROOT / "deploy" / "systemd"
     for name in ("prefect-server.service", "prefect-worker.service"):
         assert validate_unit((units / name).read_text()) == [], name
-    assert "prefect worker start --pool eagle3-process" in (units / "prefect-worker.service").read_text()
+    assert (
+        "prefect worker start --pool eagle3-process"
+        in (units / "prefect-worker.service").read_text()
+    )
     assert "--host 127.0.0.1" in (units / "prefect-server.service").read_text()
 
 
@@ -306,11 +374,32 @@ def test_hooks_stop_servers_the_run_left(tmp_path):
     try:
         reg = cfg.paths.stage_root("serve") / REGISTRY
         reg.parent.mkdir(parents=True)
-        reg.write_text(json.dumps([
-            {"backend": "process", "pid": mine.pid, "base_url": "http://127.0.0.1:1", "flow_run_id": "run-a"},
-            {"backend": "process", "pid": other.pid, "base_url": "http://127.0.0.1:2", "flow_run_id": "run-b"}]))
-        params = {"params": {"profile": str(CPU_PROFILE), "overrides": [f"paths.runs_dir={tmp_path}"]}}
-        _stop_servers_hook(None, SimpleNamespace(id="run-a", name="a", parameters=params), SimpleNamespace(name="Crashed"))
+        reg.write_text(
+            json.dumps(
+                [
+                    {
+                        "backend": "process",
+                        "pid": mine.pid,
+                        "base_url": "http://127.0.0.1:1",
+                        "flow_run_id": "run-a",
+                    },
+                    {
+                        "backend": "process",
+                        "pid": other.pid,
+                        "base_url": "http://127.0.0.1:2",
+                        "flow_run_id": "run-b",
+                    },
+                ]
+            )
+        )
+        params = {
+            "params": {"profile": str(CPU_PROFILE), "overrides": [f"paths.runs_dir={tmp_path}"]}
+        }
+        _stop_servers_hook(
+            None,
+            SimpleNamespace(id="run-a", name="a", parameters=params),
+            SimpleNamespace(name="Crashed"),
+        )
         assert mine.wait(timeout=10) == -signal.SIGTERM
         assert other.poll() is None
         assert [e["flow_run_id"] for e in json.loads(reg.read_text())] == ["run-b"]

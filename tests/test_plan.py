@@ -19,13 +19,24 @@ def test_kimi_plan_json():
     server = plan["stages"]["serve"]["server"]
     assert server["start"] == "systemctl start vllm-kimi-k25-int4"
     assert server["unit_file"].endswith("deploy/systemd/vllm-kimi-k25-int4.service")
-    assert "--tensor-parallel-size 8" in server["command"] and "--reasoning-parser kimi_k2" in server["command"]
-    assert plan["stages"]["extract"]["aux_layers (vLLM convention: input of layer k = HF hidden_states[k])"] == [2, 30, 58]
+    assert (
+        "--tensor-parallel-size 8" in server["command"]
+        and "--reasoning-parser kimi_k2" in server["command"]
+    )
+    assert plan["stages"]["extract"][
+        "aux_layers (vLLM convention: input of layer k = HF hidden_states[k])"
+    ] == [2, 30, 58]
     # extract (vllm backend) runs its own vLLM process: the unit's command plus the connector
     ext = plan["stages"]["extract"]["server"]
     assert ext["backend"] == "process" and ext["command"].startswith("PYTHONPATH=")
-    assert "/opt/vllm/bin/vllm serve moonshotai/Kimi-K2.5" in ext["command"] and "--tensor-parallel-size 8" in ext["command"]
-    assert '"kv_connector":"Eagle3HiddenStatesConnector"' in ext["command"] and "[2,30,58]" in ext["command"]
+    assert (
+        "/opt/vllm/bin/vllm serve moonshotai/Kimi-K2.5" in ext["command"]
+        and "--tensor-parallel-size 8" in ext["command"]
+    )
+    assert (
+        '"kv_connector":"Eagle3HiddenStatesConnector"' in ext["command"]
+        and "[2,30,58]" in ext["command"]
+    )
     assert "needs systemd unit vllm-kimi-k25-int4 stopped" in ext["gpus"]
     spec_cmd = plan["stages"]["verify"]["speculative server"]["command"]
     assert '"method":"eagle3"' in spec_cmd and '"num_speculative_tokens":3' in spec_cmd
@@ -41,7 +52,9 @@ def test_cpu_plan_text_with_override():
 
 
 def test_plan_hides_api_key():
-    r = runner.invoke(app, ["plan", "-c", str(CPU_PROFILE), "--set", "serve.api_key=sk-secret-123", "--json"])
+    r = runner.invoke(
+        app, ["plan", "-c", str(CPU_PROFILE), "--set", "serve.api_key=sk-secret-123", "--json"]
+    )
     assert r.exit_code == 0 and "sk-secret-123" not in r.output
 
 
@@ -56,17 +69,34 @@ def test_kimi_plan_shows_the_mla_draft():
     r = runner.invoke(app, ["plan", "--config", str(KIMI_PROFILE), "--json"])
     assert r.exit_code == 0, r.output
     draft = json.loads(r.output)["stages"]["train"]["draft"]
-    assert draft["arch"].startswith("mla") and draft["vllm_architecture"] == "Eagle3DeepseekV2ForCausalLM"
+    assert (
+        draft["arch"].startswith("mla")
+        and draft["vllm_architecture"] == "Eagle3DeepseekV2ForCausalLM"
+    )
     assert draft["target_config"] == "configs/targets/moonshotai--Kimi-K2.5.json"
     c = draft["config"]
-    assert (c["hidden_size"], c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"],
-            c["qk_rope_head_dim"], c["v_head_dim"], c["intermediate_size"]) == (7168, 64, 1536, 512, 128, 64, 128, 18432)
+    assert (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["q_lora_rank"],
+        c["kv_lora_rank"],
+        c["qk_nope_head_dim"],
+        c["qk_rope_head_dim"],
+        c["v_head_dim"],
+        c["intermediate_size"],
+    ) == (7168, 64, 1536, 512, 128, 64, 128, 18432)
     assert c["rope_scaling"]["rope_type"] == "yarn" and c["rope_scaling"]["factor"] == 64.0
     assert c["aux_layer_ids"] == [2, 30, 58] and c["draft_vocab_size"] == 32000
     w = draft["weights (exported)"]
-    assert w["fc.weight"] == "7168 x 21504" and w["midlayer.self_attn.q_a_proj.weight"] == "1536 x 14336"
+    assert (
+        w["fc.weight"] == "7168 x 21504"
+        and w["midlayer.self_attn.q_a_proj.weight"] == "1536 x 14336"
+    )
     assert w["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == "576 x 14336"
-    assert w["midlayer.self_attn.kv_b_proj.weight"] == "16384 x 512" and w["lm_head.weight"] == "32000 x 7168"
+    assert (
+        w["midlayer.self_attn.kv_b_proj.weight"] == "16384 x 512"
+        and w["lm_head.weight"] == "32000 x 7168"
+    )
     assert draft["parameters"]["trainable"] == 896_169_984
     assert draft["parameters"]["frozen embedding"] == 163840 * 7168
     assert "profile/config mismatches" not in draft
@@ -80,16 +110,38 @@ def test_plans_of_the_other_profiles_name_their_drafts():
 
     r = runner.invoke(app, ["plan", "-c", str(CPU_PROFILE), "--json"])
     draft = json.loads(r.output)["stages"]["train"]["draft"]
-    assert draft["vllm_architecture"] == "LlamaForCausalLMEagle3" and draft["arch"] == "llama (train.draft_arch: auto)"
-    r = runner.invoke(app, ["plan", "-c", str(ROOT / "configs" / "tiny-deepseek-cpu.yaml"), "--json"])
+    assert (
+        draft["vllm_architecture"] == "LlamaForCausalLMEagle3"
+        and draft["arch"] == "llama (train.draft_arch: auto)"
+    )
+    r = runner.invoke(
+        app, ["plan", "-c", str(ROOT / "configs" / "tiny-deepseek-cpu.yaml"), "--json"]
+    )
     assert r.exit_code == 0, r.output
     draft = json.loads(r.output)["stages"]["train"]["draft"]
-    assert draft["vllm_architecture"] == "Eagle3DeepseekV2ForCausalLM" and draft["config"]["aux_layer_ids"] == [1, 3, 4]
-    assert draft["weights (exported)"]["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == "576 x 512"
-    r = runner.invoke(app, ["plan", "-c", str(KIMI_PROFILE), "--set", "train.draft_arch=llama",
-                            "--set", "train.draft_num_key_value_heads=8", "--json"])
+    assert draft["vllm_architecture"] == "Eagle3DeepseekV2ForCausalLM" and draft["config"][
+        "aux_layer_ids"
+    ] == [1, 3, 4]
+    assert (
+        draft["weights (exported)"]["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == "576 x 512"
+    )
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "-c",
+            str(KIMI_PROFILE),
+            "--set",
+            "train.draft_arch=llama",
+            "--set",
+            "train.draft_num_key_value_heads=8",
+            "--json",
+        ],
+    )
     draft = json.loads(r.output)["stages"]["train"]["draft"]
-    assert draft["weights (exported)"]["midlayer.self_attn.k_proj.weight"] == "896 x 14336"  # 8 KV heads x 112
+    assert (
+        draft["weights (exported)"]["midlayer.self_attn.k_proj.weight"] == "896 x 14336"
+    )  # 8 KV heads x 112
 
 
 def test_preflight_of_the_kimi_profile_here_names_every_blocker(fake_systemd, tmp_path):
@@ -99,14 +151,24 @@ def test_preflight_of_the_kimi_profile_here_names_every_blocker(fake_systemd, tm
     from eagle3.preflight import preflight
 
     cfg = load_config(KIMI_PROFILE, [f"paths.runs_dir={tmp_path}"])
-    (fake_systemd / "vllm-kimi-k25-int4.cmd").write_text("[]")  # the serving unit is installed, the other not
+    (fake_systemd / "vllm-kimi-k25-int4.cmd").write_text(
+        "[]"
+    )  # the serving unit is installed, the other not
     checks = {(c.name, c.detail.split(":")[0]): c for c in preflight(cfg)}
     status = {k: c.status for k, c in checks.items()}
     assert status[("vllm", "/opt/vllm/bin/vllm not found")] == "fail"
     assert status[("systemd", "vllm-kimi-k25-int4")] == "ok"
     assert "not installed" in checks[("systemd", "vllm-kimi-k25-int4-eagle3")].detail
     assert status[("systemd", "vllm-kimi-k25-int4-eagle3")] == "fail"
-    assert status[("gpus", "0 visible, the profile needs 8 (serve.tensor_parallel_size 8, train.nproc_per_node 8)")] == "fail"
+    assert (
+        status[
+            (
+                "gpus",
+                "0 visible, the profile needs 8 (serve.tensor_parallel_size 8, train.nproc_per_node 8)",
+            )
+        ]
+        == "fail"
+    )
     assert status[("target", "target moonshotai/Kimi-K2.5")] == "warn"  # vLLM downloads it at serve
     disk = next(c for c in checks.values() if c.name == "disk")
     assert "extract stores at most 4648 GiB (10000 samples at full length, bfloat16)" in disk.detail
@@ -118,9 +180,15 @@ def test_dry_run_of_the_hero_run(capsys):
 
     from flows.hero_run import main
 
-    out = main(["--dry-run", "-c", str(CPU_PROFILE), "--stages", "train,verify", "--force", "verify"])
+    out = main(
+        ["--dry-run", "-c", str(CPU_PROFILE), "--stages", "train,verify", "--force", "verify"]
+    )
     text = capsys.readouterr().out
-    assert "nothing is started" in text and "verify   recompute" in text and "generate use the latest artifact" in text
+    assert (
+        "nothing is started" in text
+        and "verify   recompute" in text
+        and "generate use the latest artifact" in text
+    )
     assert "draft: llama" in text and all(c["status"] == "ok" for c in out["checks"]), text
     with pytest.raises(SystemExit, match="pre-flight check.* failed .*gpus"):
         main(["--dry-run", "-c", str(KIMI_PROFILE)])

@@ -9,7 +9,13 @@ import time
 import pytest
 
 from eagle3.config import load_config
-from eagle3.serving.readiness import PortInUseError, ServerDiedError, ServerError, ServerTimeoutError, free_port
+from eagle3.serving.readiness import (
+    PortInUseError,
+    ServerDiedError,
+    ServerError,
+    ServerTimeoutError,
+    free_port,
+)
 from eagle3.serving.server import start_server
 from tests.conftest import CPU_PROFILE, stub_argv
 from tests.fakes import openai_stub  # noqa: F401  (the stub must stay importable)
@@ -20,7 +26,13 @@ def _cfg(*overrides):
 
 
 def _systemd_cfg(port, *more):
-    return _cfg("serve.backend=systemd", "serve.unit=vllm-test", f"serve.port={port}", "serve.ready_timeout_s=20", *more)
+    return _cfg(
+        "serve.backend=systemd",
+        "serve.unit=vllm-test",
+        f"serve.port={port}",
+        "serve.ready_timeout_s=20",
+        *more,
+    )
 
 
 def _calls(state):
@@ -29,7 +41,9 @@ def _calls(state):
 
 def test_systemd_starts_waits_and_stops(fake_systemd):
     port = free_port()
-    (fake_systemd / "vllm-test.cmd").write_text(json.dumps(stub_argv(port, "smollm2-135m-instruct")))
+    (fake_systemd / "vllm-test.cmd").write_text(
+        json.dumps(stub_argv(port, "smollm2-135m-instruct"))
+    )
     with start_server(_systemd_cfg(port), "ignored") as server:
         assert server.backend == "systemd" and server.started_here
         assert server.base_url == f"http://127.0.0.1:{port}"
@@ -39,7 +53,9 @@ def test_systemd_starts_waits_and_stops(fake_systemd):
 
 def test_systemd_unit_already_running_is_not_stopped(fake_systemd):
     port = free_port()
-    (fake_systemd / "vllm-test.cmd").write_text(json.dumps(stub_argv(port, "smollm2-135m-instruct")))
+    (fake_systemd / "vllm-test.cmd").write_text(
+        json.dumps(stub_argv(port, "smollm2-135m-instruct"))
+    )
     import subprocess
 
     subprocess.run(["systemctl", "start", "vllm-test"], check=True)  # "someone else" started it
@@ -57,13 +73,19 @@ def test_systemd_unit_death_reports_journal_at_once(fake_systemd):
     # the "server" crashes after 1 s without ever answering: a dead unit, not a slow one
     argv = stub_argv(port, "smollm2-135m-instruct", "--die-after", "1")
     (fake_systemd / "vllm-test.cmd").write_text(json.dumps(argv))
-    cfg = _systemd_cfg(port + 1 if port < 65535 else port - 1)  # readiness polls a port nobody answers
+    cfg = _systemd_cfg(
+        port + 1 if port < 65535 else port - 1
+    )  # readiness polls a port nobody answers
     t0 = time.monotonic()
     with pytest.raises(ServerDiedError) as e:
         start_server(cfg, "ignored")
     assert time.monotonic() - t0 < 10, "death must be reported at once, not after the ready timeout"
     msg = str(e.value)
-    assert "vllm-test died" in msg and "journalctl -u vllm-test -n 50" in msg and "CUDA out of memory" in msg
+    assert (
+        "vllm-test died" in msg
+        and "journalctl -u vllm-test -n 50" in msg
+        and "CUDA out of memory" in msg
+    )
 
 
 def test_systemd_missing_unit_is_clear(fake_systemd):
@@ -77,11 +99,21 @@ def test_external_backend_checks_the_model(tmp_path):
     port = free_port()
     stub = subprocess.Popen(stub_argv(port, "other-model"))
     try:
-        cfg = _cfg("serve.backend=external", f"serve.base_url=http://127.0.0.1:{port}", "serve.ready_timeout_s=2")
-        with pytest.raises(ServerTimeoutError, match=r"model 'smollm2-135m-instruct' not served \(served: \['other-model'\]\)"):
+        cfg = _cfg(
+            "serve.backend=external",
+            f"serve.base_url=http://127.0.0.1:{port}",
+            "serve.ready_timeout_s=2",
+        )
+        with pytest.raises(
+            ServerTimeoutError,
+            match=r"model 'smollm2-135m-instruct' not served \(served: \['other-model'\]\)",
+        ):
             start_server(cfg, "ignored")
-        cfg = _cfg("serve.backend=external", f"serve.base_url=http://127.0.0.1:{port}/",
-                   "target.served_model_name=other-model")
+        cfg = _cfg(
+            "serve.backend=external",
+            f"serve.base_url=http://127.0.0.1:{port}/",
+            "target.served_model_name=other-model",
+        )
         with start_server(cfg, "ignored") as server:
             assert server.base_url == f"http://127.0.0.1:{port}" and not server.started_here
         assert stub.poll() is None, "the external backend must never stop what it did not start"
@@ -117,10 +149,13 @@ def test_missing_vllm_env_is_clear(smol_model, tmp_path):
 # --- GPU stages and the production unit (eagle3.serving.gpus) ---------------------------------
 # The stand-in unit is a sleeping process: what is checked is which systemctl calls are made.
 
+
 def _sleeping_unit(state):
     import sys
 
-    (state / "vllm-test.cmd").write_text(json.dumps([sys.executable, "-c", "import time; time.sleep(600)"]))
+    (state / "vllm-test.cmd").write_text(
+        json.dumps([sys.executable, "-c", "import time; time.sleep(600)"])
+    )
 
 
 def test_gpu_stage_fails_at_once_while_a_foreign_unit_holds_the_gpus(fake_systemd, tmp_path):
@@ -136,12 +171,21 @@ def test_gpu_stage_fails_at_once_while_a_foreign_unit_holds_the_gpus(fake_system
     assert not release_gpus(cfg, "train")  # the unit is not running
     subprocess.run(["systemctl", "start", "vllm-test"], check=True)  # an operator's server
     try:
-        with pytest.raises(GPUsBusy, match=r"train needs the GPUs, but the systemd unit vllm-test is active.*"
-                                           r"sudo systemctl stop vllm-test.*serve.stop_running_unit=true"):
+        with pytest.raises(
+            GPUsBusy,
+            match=r"train needs the GPUs, but the systemd unit vllm-test is active.*"
+            r"sudo systemctl stop vllm-test.*serve.stop_running_unit=true",
+        ):
             release_gpus(cfg, "train")
         # the train stage itself refuses before reading anything (these paths do not exist)
         with pytest.raises(GPUsBusy):
-            train(cfg, tmp_path / "no-extract", tmp_path / "no-vocab", tmp_path / "no-target", tmp_path / "out")
+            train(
+                cfg,
+                tmp_path / "no-extract",
+                tmp_path / "no-vocab",
+                tmp_path / "no-target",
+                tmp_path / "out",
+            )
         assert "systemctl stop vllm-test" not in _calls(fake_systemd)
     finally:
         subprocess.run(["systemctl", "stop", "vllm-test"])
@@ -157,7 +201,10 @@ def test_stop_running_unit_stops_it_for_gpu_stages_and_starts_it_again(fake_syst
     cfg = _systemd_cfg(8000, "serve.stop_running_unit=true")
     subprocess.run(["systemctl", "start", "vllm-test"], check=True)
     try:
-        with pytest.raises(RuntimeError, match="stage failed"), units_restored(cfg, log=lambda _m: None):
+        with (
+            pytest.raises(RuntimeError, match="stage failed"),
+            units_restored(cfg, log=lambda _m: None),
+        ):
             assert release_gpus(cfg, "extract", log=lambda _m: None)
             assert active_state("vllm-test") == "inactive"
             assert not release_gpus(cfg, "train", log=lambda _m: None)  # already free
@@ -167,7 +214,9 @@ def test_stop_running_unit_stops_it_for_gpu_stages_and_starts_it_again(fake_syst
     finally:
         subprocess.run(["systemctl", "stop", "vllm-test"])
     n = len(_calls(fake_systemd))
-    with units_restored(cfg, log=lambda _m: None):  # not running at the start: not started at the end
+    with units_restored(
+        cfg, log=lambda _m: None
+    ):  # not running at the start: not started at the end
         pass
     assert "systemctl start vllm-test" not in _calls(fake_systemd)[n:]
 
@@ -179,8 +228,15 @@ def test_extract_server_for_a_systemd_profile_is_a_process_with_the_connector(tm
 
     cfg = load_config(KIMI_PROFILE)
     e = extract_server_config(cfg, tmp_path / "hidden").serve
-    assert (e.backend, e.port, e.tensor_parallel_size, e.vllm_bin) == ("process", 0, 8, cfg.serve.vllm_bin)
+    assert (e.backend, e.port, e.tensor_parallel_size, e.vllm_bin) == (
+        "process",
+        0,
+        8,
+        cfg.serve.vllm_bin,
+    )
     assert "--kv-transfer-config" in e.extra_args and "--no-enable-prefix-caching" in e.extra_args
-    assert e.extra_args[:len(cfg.serve.extra_args)] == cfg.serve.extra_args
+    assert e.extra_args[: len(cfg.serve.extra_args)] == cfg.serve.extra_args
     with pytest.raises(ValueError, match="external server"):
-        extract_server_config(_cfg("serve.backend=external", "serve.base_url=http://127.0.0.1:9"), tmp_path)
+        extract_server_config(
+            _cfg("serve.backend=external", "serve.base_url=http://127.0.0.1:9"), tmp_path
+        )

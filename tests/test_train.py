@@ -12,8 +12,15 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.config import config_from_dict
 from eagle3.extract.storage import Sample, ShardWriter
-from eagle3.train import (TrainingDiverged, load_target_head, make_batch, step_inputs, target_distribution, train,
-                          ttt_mask)
+from eagle3.train import (
+    TrainingDiverged,
+    load_target_head,
+    make_batch,
+    step_inputs,
+    target_distribution,
+    train,
+    ttt_mask,
+)
 from eagle3.vocab import build_vocab, count_tokens, save_vocab
 
 H, V, TOKENS, DRAFT_V = 64, 512, 64, 80
@@ -23,13 +30,26 @@ def make_target(root: Path, seed: int = 0) -> tuple[Path, torch.Tensor]:
     root.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     embed = torch.randn(V, H, generator=g)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": V,
-           "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "rope_theta": 10000.0,
-           "hidden_act": "silu"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "vocab_size": V,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+    }
     (root / "config.json").write_text(json.dumps(cfg))
-    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.full((H,), 0.15)},
-              str(root / "model.safetensors"))
+    save_file(
+        {"model.embed_tokens.weight": embed, "model.norm.weight": torch.full((H,), 0.15)},
+        str(root / "model.safetensors"),
+    )
     return root, embed
 
 
@@ -37,8 +57,14 @@ def g_map(x: torch.Tensor) -> torch.Tensor:
     return (5 * x + 3) % TOKENS
 
 
-def make_data(root: Path, embed: torch.Tensor, n: int = 32, seed: int = 0, nan_ids: tuple[int, ...] = (),
-              lengths: list[int] | None = None) -> Path:
+def make_data(
+    root: Path,
+    embed: torch.Tensor,
+    n: int = 32,
+    seed: int = 0,
+    nan_ids: tuple[int, ...] = (),
+    lengths: list[int] | None = None,
+) -> Path:
     """final[u] = E[g(x_u)]: the target's next-token distribution is a function of the token at u."""
     g = torch.Generator().manual_seed(seed)
     w = ShardWriter(root, samples_per_shard=8)
@@ -58,23 +84,41 @@ def make_data(root: Path, embed: torch.Tensor, n: int = 32, seed: int = 0, nan_i
 def make_vocab(extract_dir: Path, path: Path) -> Path:
     from eagle3.extract.storage import iter_token_masks
 
-    counts = count_tokens(((ids.tolist(), m.tolist()) for ids, m in iter_token_masks(extract_dir)), V)
+    counts = count_tokens(
+        ((ids.tolist(), m.tolist()) for ids, m in iter_token_masks(extract_dir)), V
+    )
     save_vocab(build_vocab(counts, DRAFT_V), path)
     return path
 
 
 def make_cfg(**train):
-    base = dict(epochs=2, lr=3e-3, warmup_ratio=0.1, ttt_steps=2, token_budget=256, max_seq_len=64,
-                draft_intermediate_size=128, checkpoint_every_steps=1000)
+    base = dict(
+        epochs=2,
+        lr=3e-3,
+        warmup_ratio=0.1,
+        ttt_steps=2,
+        token_budget=256,
+        max_seq_len=64,
+        draft_intermediate_size=128,
+        checkpoint_every_steps=1000,
+    )
     base.update(train)
-    return config_from_dict({
-        "name": "t",
-        "target": {"model": "x", "served_model_name": "x", "num_hidden_layers": 4, "hidden_size": H, "vocab_size": V},
-        "generate": {"dataset": "x"},
-        "extract": {"aux_layers": [1, 2, 3]},
-        "vocab": {"draft_vocab_size": DRAFT_V},
-        "train": base,
-    })
+    return config_from_dict(
+        {
+            "name": "t",
+            "target": {
+                "model": "x",
+                "served_model_name": "x",
+                "num_hidden_layers": 4,
+                "hidden_size": H,
+                "vocab_size": V,
+            },
+            "generate": {"dataset": "x"},
+            "extract": {"aux_layers": [1, 2, 3]},
+            "vocab": {"draft_vocab_size": DRAFT_V},
+            "train": base,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +144,17 @@ def test_target_distribution_chunked_and_masked(setup):
 
     m = load_vocab(vocab)
     head = load_target_head(target, m.draft_ids, 1e-5)
-    final = torch.cat([embed[[1, 7, 40]], embed[[300, 500]]])  # last two: argmax outside the draft vocab
+    final = torch.cat(
+        [embed[[1, 7, 40]], embed[[300, 500]]]
+    )  # last two: argmax outside the draft vocab
     p1, a1 = target_distribution(final, head, chunk=2)
     p2, a2 = target_distribution(final, head, chunk=256)
     torch.testing.assert_close(p1, p2)
     assert torch.equal(a1, a2)
-    assert a1[:3].tolist() == [1, 7, 40] and a1[3:].tolist() == [-1, -1]  # draft ids 0..63 are the first rows
+    assert a1[:3].tolist() == [1, 7, 40] and a1[3:].tolist() == [
+        -1,
+        -1,
+    ]  # draft ids 0..63 are the first rows
     torch.testing.assert_close(p1.sum(-1), torch.ones(5))
     x = final.float() * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + 1e-5) * 0.15
     ref = torch.softmax((x @ embed.T)[:, m.draft_ids], -1)
@@ -143,9 +192,10 @@ def test_shift_alignment_toy(setup):
 
 def test_ttt_mask():
     m = ttt_mask(3, 2)
-    expect = torch.tensor([[1, 0, 0, 1, 0, 0, 1, 0, 0],
-                           [1, 1, 0, 0, 1, 0, 0, 1, 0],
-                           [1, 1, 1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    expect = torch.tensor(
+        [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]],
+        dtype=torch.bool,
+    )
     assert torch.equal(m, expect)
 
 
@@ -163,8 +213,13 @@ def test_ttt_unroll_matches_per_position_reference(setup):
     head = load_target_head(target, m.draft_ids, 1e-5)
     g = torch.Generator().manual_seed(1)
     T = 7
-    s = Sample("a", torch.randint(0, TOKENS, (T,), generator=g), torch.ones(T, dtype=torch.bool),
-               torch.randn(T, 3 * H, generator=g), torch.randn(T, H, generator=g))
+    s = Sample(
+        "a",
+        torch.randint(0, TOKENS, (T,), generator=g),
+        torch.ones(T, dtype=torch.bool),
+        torch.randn(T, 3 * H, generator=g),
+        torch.randn(T, H, generator=g),
+    )
     b = make_batch([s], head, torch.device("cpu"), 64)
     with torch.no_grad():
         outs = [(o, lg) for _, o, lg in ttt_unroll(model, b, 3)]
@@ -174,7 +229,9 @@ def test_ttt_unroll_matches_per_position_reference(setup):
             hidden = outs[0][0][:, t : t + 1]
             for i in (1, 2):
                 ids = step_inputs(b, i)[0][:, t : t + 1]
-                o, lg, kv = model(ids, hidden, position_ids=torch.tensor([t + i]), past_kv=past, use_cache=True)
+                o, lg, kv = model(
+                    ids, hidden, position_ids=torch.tensor([t + i]), past_kv=past, use_cache=True
+                )
                 torch.testing.assert_close(o, outs[i][0][:, t : t + 1], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(lg, outs[i][1][:, t : t + 1], atol=1e-5, rtol=1e-5)
                 past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
@@ -243,11 +300,18 @@ def test_nan_guard_skips_and_stops(tmp_path):
     lengths = [20 + i for i in range(12)]
     ext = make_data(tmp_path / "extract", embed, n=12, nan_ids=(3,), lengths=lengths)
     vocab = make_vocab(ext, tmp_path / "vocab.safetensors")
-    man = train(make_cfg(epochs=1, token_budget=40), ext, vocab, target, tmp_path / "run")  # one sample per batch
+    man = train(
+        make_cfg(epochs=1, token_budget=40), ext, vocab, target, tmp_path / "run"
+    )  # one sample per batch
     assert man["skipped_nan"] == 1 and man["updates"] == man["steps"] - 1
-    assert all(math.isfinite(x) for x in json.loads((tmp_path / "run" / "metrics.json").read_text())["epochs"][0]["loss"])
+    assert all(
+        math.isfinite(x)
+        for x in json.loads((tmp_path / "run" / "metrics.json").read_text())["epochs"][0]["loss"]
+    )
 
-    ext2 = make_data(tmp_path / "extract-nan", embed, n=12, nan_ids=tuple(range(12)), lengths=lengths)
+    ext2 = make_data(
+        tmp_path / "extract-nan", embed, n=12, nan_ids=tuple(range(12)), lengths=lengths
+    )
     with pytest.raises(TrainingDiverged, match="non-finite steps in a row"):
         train(make_cfg(epochs=1, token_budget=40), ext2, vocab, target, tmp_path / "run-nan")
 
@@ -270,13 +334,22 @@ def test_head_from_target_frozen_and_noise(setup):
 
     tmp, target, embed, ext, vocab = setup
     ids = load_vocab(vocab).draft_ids
-    man = train(make_cfg(epochs=1, head_init="target", freeze_head=True, feature_noise=0.1), ext, vocab, target,
-                tmp / "run-head")
+    man = train(
+        make_cfg(epochs=1, head_init="target", freeze_head=True, feature_noise=0.1),
+        ext,
+        vocab,
+        target,
+        tmp / "run-head",
+    )
     model, _, _ = load_exported(man["export"])
     stored = load_file(str(Path(man["export"]) / "model.safetensors"))["lm_head.weight"]
-    assert torch.equal(stored.float(), embed[ids].to(stored.dtype).float())  # tied target: its embedding rows
+    assert torch.equal(
+        stored.float(), embed[ids].to(stored.dtype).float()
+    )  # tied target: its embedding rows
     torch.testing.assert_close(model.norm.weight, torch.full((H,), 0.15), atol=1e-3, rtol=1e-2)
     assert man["skipped_nan"] == 0 and all(math.isfinite(x) for x in man["final"]["loss"])
-    moved = train(make_cfg(epochs=1, head_init="target"), ext, vocab, target, tmp / "run-head-trained")
+    moved = train(
+        make_cfg(epochs=1, head_init="target"), ext, vocab, target, tmp / "run-head-trained"
+    )
     learnt = load_file(str(Path(moved["export"]) / "model.safetensors"))["lm_head.weight"]
     assert not torch.equal(learnt, stored)  # not frozen: it learns from the target's rows

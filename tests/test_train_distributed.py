@@ -50,7 +50,14 @@ def paths(tmp: Path) -> tuple[Path, Path, Path]:
 
 def torchrun(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        *args,
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{cmd} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return p
@@ -62,8 +69,15 @@ def run_single(tmp: Path, out: Path, **kw) -> tuple[dict, list[tuple[float, floa
 
     log: list[tuple[float, float]] = []
     target, ext, vocab = paths(tmp)
-    man = train(cfg_for(grad_accum=WORLD), ext, vocab, target, out,
-                lambda p: log.append((p["loss"], p["grad_norm"])), **kw)
+    man = train(
+        cfg_for(grad_accum=WORLD),
+        ext,
+        vocab,
+        target,
+        out,
+        lambda p: log.append((p["loss"], p["grad_norm"])),
+        **kw,
+    )
     return man, log
 
 
@@ -79,8 +93,15 @@ def worker(tmp: Path) -> None:
 
     def run(name: str, mode: str, **kw) -> dict:
         log: list[tuple[float, float]] = []
-        man = train(cfg_for(mode), ext, vocab, target, tmp / name,
-                    lambda p: log.append((p["loss"], p["grad_norm"])), **kw)
+        man = train(
+            cfg_for(mode),
+            ext,
+            vocab,
+            target,
+            tmp / name,
+            lambda p: log.append((p["loss"], p["grad_norm"])),
+            **kw,
+        )
         if rank == 0:
             (tmp / f"{name}.json").write_text(json.dumps({"manifest": man, "log": log}))
         return man
@@ -125,8 +146,13 @@ def assert_same_state(a: Path, b: Path) -> None:
         ta, tb = ckpt(a, name), ckpt(b, name)
         assert ta.keys() == tb.keys()
         for k in ta:
-            torch.testing.assert_close(ta[k], tb[k], atol=W_ATOL, rtol=W_RTOL,
-                                       msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                ta[k],
+                tb[k],
+                atol=W_ATOL,
+                rtol=W_RTOL,
+                msg=lambda m, name=name, k=k: f"{name} {k}: {m}",
+            )
         worst = max(float((ta[k].double() - tb[k].double()).abs().max()) for k in ta)
         print(f"{a.name} vs {b.name}: {name} max abs difference {worst:.1e}")
 
@@ -141,9 +167,16 @@ def test_accumulated_step_is_one_big_batch(data):
     With SGD at lr 1 and no clipping the update is the gradient itself."""
     import contextlib
 
-    from eagle3.extract.storage import HiddenStateDataset
     from eagle3.draft import build_draft
-    from eagle3.train import Dist, load_target_head, make_batch, train_step, ttt_loss, wrap_for_training
+    from eagle3.extract.storage import HiddenStateDataset
+    from eagle3.train import (
+        Dist,
+        load_target_head,
+        make_batch,
+        train_step,
+        ttt_loss,
+        wrap_for_training,
+    )
     from eagle3.vocab import load_vocab
     from tests.test_train import DRAFT_V
 
@@ -160,14 +193,27 @@ def test_accumulated_step_is_one_big_batch(data):
     loss, _ = ttt_loss(ref, whole, 2, 0.8)
     loss.backward()
     params = [p for p in model.parameters() if p.requires_grad]
-    r = train_step(wrap_for_training(model, Dist(), cpu, 2, 0.8), torch.optim.SGD(params, lr=1.0), params, parts,
-                   Dist(), 2, 0.8, 1e9, contextlib.nullcontext())
+    r = train_step(
+        wrap_for_training(model, Dist(), cpu, 2, 0.8),
+        torch.optim.SGD(params, lr=1.0),
+        params,
+        parts,
+        Dist(),
+        2,
+        0.8,
+        1e9,
+        contextlib.nullcontext(),
+    )
     assert r.finite and math.isclose(r.loss, float(loss.detach()), rel_tol=1e-5)
-    ref_norm = float(torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1e9))
+    ref_norm = float(
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1e9)
+    )
     assert math.isclose(r.grad_norm, ref_norm, rel_tol=1e-4)
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         if a.requires_grad:
-            torch.testing.assert_close(a.detach(), (b - b.grad).detach(), atol=1e-6, rtol=1e-5, msg=n)
+            torch.testing.assert_close(
+                a.detach(), (b - b.grad).detach(), atol=1e-6, rtol=1e-5, msg=n
+            )
 
 
 def test_epoch_has_a_short_last_group(runs):
@@ -188,12 +234,18 @@ def test_distributed_matches_single_process(runs, mode):
     tmp, single, log = runs
     got = json.loads((tmp / f"{mode}.json").read_text())
     man = got["manifest"]
-    assert man["complete"] and man["steps"] == single["steps"] and man["distributed"]["world_size"] == WORLD
+    assert (
+        man["complete"]
+        and man["steps"] == single["steps"]
+        and man["distributed"]["world_size"] == WORLD
+    )
     assert man["distributed"]["mode"] == mode
     assert len(got["log"]) == len(log) == single["steps"]
     rel_loss = max_rel([x[0] for x in got["log"]], [x[0] for x in log])
     rel_norm = max_rel([x[1] for x in got["log"]], [x[1] for x in log])
-    print(f"{mode}: max relative difference over {len(log)} steps: loss {rel_loss:.1e}, grad norm {rel_norm:.1e}")
+    print(
+        f"{mode}: max relative difference over {len(log)} steps: loss {rel_loss:.1e}, grad norm {rel_norm:.1e}"
+    )
     assert rel_loss < LOSS_RTOL and rel_norm < LOSS_RTOL
     assert_same_state(tmp / mode, tmp / "single")
     ma = json.loads((tmp / mode / "metrics.json").read_text())["epochs"]
@@ -213,7 +265,11 @@ def test_fsdp_checkpoint_resumes_in_one_process_and_under_fsdp(runs):
     assert part["complete"] and part["resumed_from_step"] == PART_STEPS
     assert_same_state(tmp / "fsdp-part", tmp / "single")
     man, _ = run_single(tmp, tmp / "fsdp-part-copy")
-    assert man["complete"] and man["resumed_from_step"] == PART_STEPS and man["steps"] == single["steps"]
+    assert (
+        man["complete"]
+        and man["resumed_from_step"] == PART_STEPS
+        and man["steps"] == single["steps"]
+    )
     assert_same_state(tmp / "fsdp-part-copy", tmp / "single")
 
 
@@ -237,11 +293,26 @@ def test_cli_under_torchrun(runs):
     data["target"]["model"] = str(target)
     data["paths"]["runs_dir"] = str(tmp / "runs")
     (tmp / "profile.yaml").write_text(yaml.safe_dump(data))
-    p = torchrun("-m", "eagle3.cli", "train", "-c", str(tmp / "profile.yaml"), "--extract-dir", str(ext),
-                 "--vocab-file", str(vocab), "--out", str(tmp / "cli"))
+    p = torchrun(
+        "-m",
+        "eagle3.cli",
+        "train",
+        "-c",
+        str(tmp / "profile.yaml"),
+        "--extract-dir",
+        str(ext),
+        "--vocab-file",
+        str(vocab),
+        "--out",
+        str(tmp / "cli"),
+    )
     assert "vllm-draft" in p.stdout
     man = json.loads((tmp / "cli" / "manifest.json").read_text())
-    assert man["complete"] and man["distributed"]["world_size"] == WORLD and man["distributed"]["mode"] == "ddp"
+    assert (
+        man["complete"]
+        and man["distributed"]["world_size"] == WORLD
+        and man["distributed"]["mode"] == "ddp"
+    )
     a, b = ckpt(tmp / "cli"), ckpt(tmp / "ddp")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)

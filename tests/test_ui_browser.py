@@ -36,8 +36,15 @@ def _free_port() -> int:
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:
-        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -55,7 +62,9 @@ def _wait(what: str, check, timeout_s: float, procs: list[tuple[subprocess.Popen
     while time.monotonic() < deadline:
         for proc, log in procs:
             if proc.poll() is not None:
-                pytest.fail(f"{what}: {proc.args[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                pytest.fail(
+                    f"{what}: {proc.args[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                )
         try:
             found = check()
         except httpx.HTTPError:
@@ -69,32 +78,68 @@ def _wait(what: str, check, timeout_s: float, procs: list[tuple[subprocess.Popen
 
 def _deployment(api: str, name: str) -> dict | None:
     """The deployment called ``name`` once the runner has registered it."""
-    r = httpx.post(f"{api}/deployments/filter", json={"deployments": {"name": {"any_": [name]}}}, timeout=5)
+    r = httpx.post(
+        f"{api}/deployments/filter", json={"deployments": {"name": {"any_": [name]}}}, timeout=5
+    )
     return r.json()[0] if r.status_code == 200 and r.json() else None
 
 
 def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail("Debian's chromium is missing: `make test` installs it (apt-get install chromium)")
+        pytest.fail(
+            "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
+        )
     from playwright.sync_api import sync_playwright
 
     started = time.monotonic()
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=api, PREFECT_UI_API_URL=api,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_RUNNER_POLL_FREQUENCY="2",
-               PREFECT_LOGGING_LEVEL="INFO")
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_API_URL=api,
+        PREFECT_UI_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_RUNNER_POLL_FREQUENCY="2",
+        PREFECT_LOGGING_LEVEL="INFO",
+    )
     server_log, serve_log = tmp_path / "server.log", tmp_path / "serve.log"
-    server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                    env, server_log)
+    server = _start(
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env,
+        server_log,
+    )
     procs = [(server, server_log)]
     serve = None
     ARTIFACTS.mkdir(exist_ok=True)
     try:
-        _wait("prefect server", lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200, 120, procs)
-        argv = [sys.executable, "-m", "flows.serve", "--only", "hero-run", "--profile", str(CPU_PROFILE),
-                "--stages", ",".join(TINY_STAGES)]
+        _wait(
+            "prefect server",
+            lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200,
+            120,
+            procs,
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "flows.serve",
+            "--only",
+            "hero-run",
+            "--profile",
+            str(CPU_PROFILE),
+            "--stages",
+            ",".join(TINY_STAGES),
+        ]
         for o in tiny_hero.overrides:
             argv += ["--set", o]
         serve = _start(argv, env, serve_log)
@@ -105,33 +150,46 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
         ui_started = time.monotonic()
 
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
+            )
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             try:
                 page.goto(f"http://127.0.0.1:{port}/deployments", wait_until="networkidle")
-                page.locator("a[href^='/deployments/deployment/']", has_text="hero-run").first.click()
+                page.locator(
+                    "a[href^='/deployments/deployment/']", has_text="hero-run"
+                ).first.click()
                 page.wait_for_url(f"**/deployments/deployment/{dep['id']}**")
                 page.get_by_role("button", name="Run", exact=True).click()
                 page.get_by_text("Quick run").first.click()
 
                 def runs() -> list[dict]:
-                    r = httpx.post(f"{api}/flow_runs/filter", timeout=5,
-                                   json={"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}})
+                    r = httpx.post(
+                        f"{api}/flow_runs/filter",
+                        timeout=5,
+                        json={"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}},
+                    )
                     return r.json() if r.status_code == 200 else []
 
                 _wait("a flow run created by the Quick run button", runs, 30, procs)
-                page.screenshot(path=str(ARTIFACTS / "ui-quick-run.png"))  # with the "scheduled" toast
+                page.screenshot(
+                    path=str(ARTIFACTS / "ui-quick-run.png")
+                )  # with the "scheduled" toast
 
                 def finished():
                     runs_now = runs()
                     assert len(runs_now) == 1, runs_now  # exactly the run the button started
                     if runs_now[0]["state_type"] in ("FAILED", "CRASHED", "CANCELLED"):
-                        pytest.fail(f"flow run {runs_now[0]['name']} ended {runs_now[0]['state_type']}:\n"
-                                    f"{serve_log.read_text()[-4000:]}")
+                        pytest.fail(
+                            f"flow run {runs_now[0]['name']} ended {runs_now[0]['state_type']}:\n"
+                            f"{serve_log.read_text()[-4000:]}"
+                        )
                     return runs_now[0] if runs_now[0]["state_type"] == "COMPLETED" else None
 
                 run = _wait("flow run started from the UI", finished, 300, procs)
-                page.goto(f"http://127.0.0.1:{port}/runs/flow-run/{run['id']}", wait_until="networkidle")
+                page.goto(
+                    f"http://127.0.0.1:{port}/runs/flow-run/{run['id']}", wait_until="networkidle"
+                )
                 page.get_by_text("hero run done").first.wait_for(timeout=30_000)
                 page.screenshot(path=str(ARTIFACTS / "ui-hero-run.png"), full_page=True)
             except BaseException:
@@ -146,7 +204,11 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
 
     # the run the browser started: one run of this deployment, every stage a cache hit
     summary = json.loads((tiny_hero.runs_dir / "smollm2-cpu" / "hero-run.json").read_text())
-    assert {s: c["status"] for s, c in summary["stages"].items()} == {s: "cached" for s in TINY_STAGES}
+    assert {s: c["status"] for s, c in summary["stages"].items()} == {
+        s: "cached" for s in TINY_STAGES
+    }
     assert summary["server"] is None
-    print(f"\nbrowser test: {time.monotonic() - started:.1f} s in all, {time.monotonic() - ui_started:.1f} s from "
-          f"the UI's first page to a completed run ({run['total_run_time']:.2f} s of flow run time)")
+    print(
+        f"\nbrowser test: {time.monotonic() - started:.1f} s in all, {time.monotonic() - ui_started:.1f} s from "
+        f"the UI's first page to a completed run ({run['total_run_time']:.2f} s of flow run time)"
+    )

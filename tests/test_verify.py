@@ -41,13 +41,18 @@ def test_counters_parse_and_delta():
         'vllm:spec_decode_num_drafts_total{engine="0"} 4\nvllm:spec_decode_num_draft_tokens_total{engine="0"} 12\n'
         'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 3\n'
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 2\n'
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 1\n')
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 1\n'
+    )
     d = (after - before).summary()
     assert d["acceptance_length"] == pytest.approx(1 + 9 / 6)
     assert d["acceptance_rate"] == pytest.approx(9 / 18)
     assert d["acceptance_per_position"] == pytest.approx([5 / 6, 3 / 6, 1 / 6])
     full = after.summary()
-    assert full["acceptance_length"] == pytest.approx(2.2) and full["acceptance_per_position"] == [0.7, 0.4, 0.1]
+    assert full["acceptance_length"] == pytest.approx(2.2) and full["acceptance_per_position"] == [
+        0.7,
+        0.4,
+        0.1,
+    ]
     assert full["server_mean_tpot_s"] == pytest.approx(0.1)
     assert Snapshot().summary()["acceptance_length"] is None
 
@@ -70,7 +75,12 @@ def test_workload_mt_bench_and_files(tmp_path):
 
 
 def test_gate_and_promotion(tmp_path):
-    cond = {"workload_fingerprint": "w", "num_speculative_tokens": 3, "temperature": 0.0, "max_tokens": 64}
+    cond = {
+        "workload_fingerprint": "w",
+        "num_speculative_tokens": 3,
+        "temperature": 0.0,
+        "max_tokens": 64,
+    }
     kw = dict(min_acceptance_length=1.5, max_regression=0.05)
     assert evaluate_gate(2.0, cond, None, **kw).passed
     low = evaluate_gate(1.2, cond, None, **kw)
@@ -119,7 +129,9 @@ class OracleDraft:
 @pytest.mark.parametrize("right,k,expect", [(3, 3, 4.0), (0, 3, 1.0), (1, 3, 2.0), (2, 4, 3.0)])
 def test_offline_chains(right, k, expect):
     seq = torch.arange(40) % 17
-    accepted = chains_of_sequence(OracleDraft(seq, 17, right), torch.zeros(40, 3), seq, 9, k, torch.arange(17))
+    accepted = chains_of_sequence(
+        OracleDraft(seq, 17, right), torch.zeros(40, 3), seq, 9, k, torch.arange(17)
+    )
     s = summarize_chains(accepted, k)
     # every chain but possibly the last (cut at the end of the sequence) accepts min(right, k)
     assert all(a == min(right, k) for a in accepted[:-1])
@@ -128,24 +140,44 @@ def test_offline_chains(right, k, expect):
 
 
 def test_gate_require_beat_ngram():
-    cond = {"workload_fingerprint": "w", "num_speculative_tokens": 3, "temperature": 0.0, "max_tokens": 64}
+    cond = {
+        "workload_fingerprint": "w",
+        "num_speculative_tokens": 3,
+        "temperature": 0.0,
+        "max_tokens": 64,
+    }
     kw = dict(min_acceptance_length=1.0, max_regression=0.05)
-    vs = {"concurrency": 1, "draft": {"acceptance_length": 2.1, "speedup": 1.3},
-          "ngram": {"acceptance_length": 2.0, "acceptance_length_all_steps": 1.7, "speedup": 1.1}}
+    vs = {
+        "concurrency": 1,
+        "draft": {"acceptance_length": 2.1, "speedup": 1.3},
+        "ngram": {"acceptance_length": 2.0, "acceptance_length_all_steps": 1.7, "speedup": 1.1},
+    }
     ok = evaluate_gate(2.1, cond, None, **kw, require_beat_ngram=True, versus_ngram=vs)
     assert ok.passed and ok.checks["beats_ngram"] is True
     slow = {**vs, "draft": {"acceptance_length": 2.1, "speedup": 1.05}}
     g = evaluate_gate(2.1, cond, None, **kw, require_beat_ngram=True, versus_ngram=slow)
-    assert not g.passed and g.reasons == ["speedup at concurrency 1 x1.050 does not exceed the n-gram baseline's x1.100"]
+    assert not g.passed and g.reasons == [
+        "speedup at concurrency 1 x1.050 does not exceed the n-gram baseline's x1.100"
+    ]
     short = {**vs, "draft": {"acceptance_length": 1.9, "speedup": 1.3}}
     g = evaluate_gate(1.9, cond, None, **kw, require_beat_ngram=True, versus_ngram=short)
-    assert not g.passed and "acceptance length 1.900 does not exceed the n-gram baseline's 2.000" in g.reasons[0]
+    assert (
+        not g.passed
+        and "acceptance length 1.900 does not exceed the n-gram baseline's 2.000" in g.reasons[0]
+    )
     assert "1.700 over all steps" in g.reasons[0]
     # not required: reported in the checks only
     info = evaluate_gate(1.9, cond, None, **kw, versus_ngram=short)
     assert info.passed and info.checks["beats_ngram"] is False
-    missing = evaluate_gate(2.1, cond, None, **kw, require_beat_ngram=True, versus_ngram=None,
-                            ngram_reason="serve.backend external: no verify.ngram_base_url")
+    missing = evaluate_gate(
+        2.1,
+        cond,
+        None,
+        **kw,
+        require_beat_ngram=True,
+        versus_ngram=None,
+        ngram_reason="serve.backend external: no verify.ngram_base_url",
+    )
     assert not missing.passed and "not measured (serve.backend external" in missing.reasons[0]
     assert evaluate_gate(2.1, cond, None, **kw).checks["require_beat_ngram"] is False
 
@@ -173,37 +205,101 @@ def test_ngram_section_report_and_plot(tmp_path):
     per_pos = {i: float(sum(1 for a in props if a > i)) for i in range(3)}
     # counters as a vLLM that proposes exactly like the simulation would show them
     n0 = Snapshot()
-    n1 = Snapshot(drafts=len(props), draft_tokens=sum(n for ch in chains for n in ch.proposed), accepted=sum(props),
-                  accepted_per_pos=per_pos, generation_tokens=sum(len(o) for _, o in seqs))
+    n1 = Snapshot(
+        drafts=len(props),
+        draft_tokens=sum(n for ch in chains for n in ch.proposed),
+        accepted=sum(props),
+        accepted_per_pos=per_pos,
+        generation_tokens=sum(len(o) for _, o in seqs),
+    )
     base = [(_run(c, seqs, 10.0), Snapshot(), Snapshot()) for c in (1, 4)]
     ngramw = [(_run(c, seqs, 15.0), n0, n1) for c in (1, 4)]
-    windows = [{"concurrency": c, "baseline": {"output_tokens_per_s": 10.0, "server_mean_tpot_s": None},
-                "speculative": {"output_tokens_per_s": 12.0, "acceptance_length": 1.5, "server_mean_tpot_s": None},
-                "speedup": 1.2, "tpot_ratio": None, "outputs": None} for c in (1, 4)]
+    windows = [
+        {
+            "concurrency": c,
+            "baseline": {"output_tokens_per_s": 10.0, "server_mean_tpot_s": None},
+            "speculative": {
+                "output_tokens_per_s": 12.0,
+                "acceptance_length": 1.5,
+                "server_mean_tpot_s": None,
+            },
+            "speedup": 1.2,
+            "tpot_ratio": None,
+            "outputs": None,
+        }
+        for c in (1, 4)
+    ]
     ng = ngram_section(cfg, windows, base, ngramw, {"ready_s": 40.0}, None)
-    assert ng["measured"] and ng["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
-                                                           "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert ng["measured"] and ng["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
     assert ng["speedup"] == {"1": pytest.approx(1.5), "4": pytest.approx(1.5)}
-    assert ng["acceptance_length"] == pytest.approx(1 + sum(props) / len(props))  # vLLM: proposing steps
-    assert ng["acceptance_length_all_steps"] < ng["acceptance_length"]  # the first sequence has empty steps
+    assert ng["acceptance_length"] == pytest.approx(
+        1 + sum(props) / len(props)
+    )  # vLLM: proposing steps
+    assert (
+        ng["acceptance_length_all_steps"] < ng["acceptance_length"]
+    )  # the first sequence has empty steps
     sv = ng["windows"][0]["simulated_vs_vllm"]
-    assert sv["drafts"]["simulated"] == sv["drafts"]["vllm"] and sv["accepted"]["simulated"] == sv["accepted"]["vllm"]
+    assert (
+        sv["drafts"]["simulated"] == sv["drafts"]["vllm"]
+        and sv["accepted"]["simulated"] == sv["accepted"]["vllm"]
+    )
     assert sv["acceptance_length_proposing"]["difference"] == pytest.approx(0)
-    assert ng["outputs"]["compared"] == 4 and ng["outputs"]["mismatches"] == 0  # greedy: same tokens as the baseline
+    assert (
+        ng["outputs"]["compared"] == 4 and ng["outputs"]["mismatches"] == 0
+    )  # greedy: same tokens as the baseline
     vs = versus_ngram(1.5, windows, ng)
-    assert vs["concurrency"] == 1 and vs["draft"]["speedup"] == 1.2 and vs["ngram"]["speedup"] == pytest.approx(1.5)
-    assert not evaluate_gate(1.5, {}, None, min_acceptance_length=1, max_regression=0.05,
-                             require_beat_ngram=True, versus_ngram=vs).passed
+    assert (
+        vs["concurrency"] == 1
+        and vs["draft"]["speedup"] == 1.2
+        and vs["ngram"]["speedup"] == pytest.approx(1.5)
+    )
+    assert not evaluate_gate(
+        1.5,
+        {},
+        None,
+        min_acceptance_length=1,
+        max_regression=0.05,
+        require_beat_ngram=True,
+        versus_ngram=vs,
+    ).passed
 
-    report = {"profile": "p", "draft_dir": "d", "num_speculative_tokens": 3, "temperature": 0.0, "max_tokens": 64,
-              "workload": {"name": "w", "conversations": 2, "turns": 1, "fingerprint": "f"},
-              "acceptance": {"acceptance_length": 1.5, "acceptance_rate": 0.2, "acceptance_per_position": [0.3, 0.15, 0.05]},
-              "windows": windows, "offline": None, "ngram": ng, "versus_ngram": vs,
-              "gate": {"passed": True, "reasons": [], "checks": {"beats_ngram": False}}, "promoted": None,
-              "servers": {"baseline": {"ready_s": 40.0}, "speculative": {"ready_s": 41.0}, "ngram": {"ready_s": 40.0}}}
+    report = {
+        "profile": "p",
+        "draft_dir": "d",
+        "num_speculative_tokens": 3,
+        "temperature": 0.0,
+        "max_tokens": 64,
+        "workload": {"name": "w", "conversations": 2, "turns": 1, "fingerprint": "f"},
+        "acceptance": {
+            "acceptance_length": 1.5,
+            "acceptance_rate": 0.2,
+            "acceptance_per_position": [0.3, 0.15, 0.05],
+        },
+        "windows": windows,
+        "offline": None,
+        "ngram": ng,
+        "versus_ngram": vs,
+        "gate": {"passed": True, "reasons": [], "checks": {"beats_ngram": False}},
+        "promoted": None,
+        "servers": {
+            "baseline": {"ready_s": 40.0},
+            "speculative": {"ready_s": 41.0},
+            "ngram": {"ready_s": 40.0},
+        },
+    }
     md = render_markdown(report)
-    assert "## N-gram baseline (prompt lookup) vs the draft" in md and "draft beats n-gram: no" in md
-    assert f"| acceptance length | 1.500 | {ng['acceptance_length']:.3f} | {ng['acceptance_length_all_steps']:.3f} |" in md
+    assert (
+        "## N-gram baseline (prompt lookup) vs the draft" in md and "draft beats n-gram: no" in md
+    )
+    assert (
+        f"| acceptance length | 1.500 | {ng['acceptance_length']:.3f} | {ng['acceptance_length_all_steps']:.3f} |"
+        in md
+    )
     assert "| 4 | 10.0 | 12.0 | 1.200 | 15.0 | 1.500 |" in md and "n-gram in 40.0 s" in md
     assert plot(report, tmp_path / "r.png").stat().st_size > 0
     # what the hero run (make demo) prints next to the draft's acceptance length, from report.json
@@ -211,13 +307,21 @@ def test_ngram_section_report_and_plot(tmp_path):
 
     (tmp_path / "report.json").write_text(json.dumps(report))
     line = ngram_summary(str(tmp_path))
-    assert line.startswith(f"acceptance length {round(ng['acceptance_length_all_steps'], 4)} over all steps "
-                           f"({round(ng['acceptance_length'], 4)} in vLLM's count") and "'1': 1.5" in line
+    assert (
+        line.startswith(
+            f"acceptance length {round(ng['acceptance_length_all_steps'], 4)} over all steps "
+            f"({round(ng['acceptance_length'], 4)} in vLLM's count"
+        )
+        and "'1': 1.5" in line
+    )
     assert ngram_summary(str(tmp_path / "missing")) is None
-    off = ngram_section(cfg, windows, base, None, None, "serve.backend external: no verify.ngram_base_url")
+    off = ngram_section(
+        cfg, windows, base, None, None, "serve.backend external: no verify.ngram_base_url"
+    )
     assert not off["measured"] and versus_ngram(1.5, windows, off) is None
-    assert "n-gram baseline: not measured (serve.backend external" in render_markdown({**report, "ngram": off,
-                                                                                        "versus_ngram": None})
+    assert "n-gram baseline: not measured (serve.backend external" in render_markdown(
+        {**report, "ngram": off, "versus_ngram": None}
+    )
 
 
 @pytest.mark.vllm
@@ -229,13 +333,22 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
     # float32 servers: speculative decoding must then leave greedy output exactly unchanged (in bf16
     # the 4-token verification GEMMs round differently from 1-token decode steps, and near-tied
     # logits flip: docs/verify.md)
-    cfg = gen_cfg(tmp_path, f"verify.workload={PROMPTS}", "verify.max_tokens=32", "verify.concurrency=[1, 3]",
-                  "verify.warmup_requests=1", "serve.port=0", "serve.dtype=float32",
-                  "verify.min_acceptance_length=1.0")  # a 2-epoch draft on 8 samples: barely above 1
+    cfg = gen_cfg(
+        tmp_path,
+        f"verify.workload={PROMPTS}",
+        "verify.max_tokens=32",
+        "verify.concurrency=[1, 3]",
+        "verify.warmup_requests=1",
+        "serve.port=0",
+        "serve.dtype=float32",
+        "verify.min_acceptance_length=1.0",
+    )  # a 2-epoch draft on 8 samples: barely above 1
     r = verify(cfg, str(smol_model), trained_draft, tmp_path / "verify")
     out = tmp_path / "verify"
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(r))
-    assert (out / "report.png").stat().st_size > 0 and "mean acceptance length" in (out / "report.md").read_text()
+    assert (out / "report.png").stat().st_size > 0 and "mean acceptance length" in (
+        out / "report.md"
+    ).read_text()
 
     k = 3
     total_drafts = total_acc = 0.0
@@ -244,7 +357,9 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
             s = w[side]
             before, after = s["counters"]["before"], s["counters"]["after"]
             # the server generated exactly the tokens the client received
-            assert after["generation_tokens"] - before["generation_tokens"] == s["output_tokens"] > 0
+            assert (
+                after["generation_tokens"] - before["generation_tokens"] == s["output_tokens"] > 0
+            )
             assert s["requests"] == 5
         s = w["speculative"]
         b, a = s["counters"]["before"], s["counters"]["after"]
@@ -252,10 +367,14 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
         assert drafts > 0 and a["draft_tokens"] - b["draft_tokens"] == k * drafts
         assert s["acceptance_length"] == pytest.approx(1 + acc / drafts)
         assert s["acceptance_rate"] == pytest.approx(acc / (a["draft_tokens"] - b["draft_tokens"]))
-        per = [a["accepted_per_pos"][str(i)] - b["accepted_per_pos"].get(str(i), 0) for i in range(k)]
+        per = [
+            a["accepted_per_pos"][str(i)] - b["accepted_per_pos"].get(str(i), 0) for i in range(k)
+        ]
         assert s["acceptance_per_position"] == pytest.approx([p / drafts for p in per])
         assert sum(per) == acc
-        assert w["speedup"] == pytest.approx(s["output_tokens_per_s"] / w["baseline"]["output_tokens_per_s"])
+        assert w["speedup"] == pytest.approx(
+            s["output_tokens_per_s"] / w["baseline"]["output_tokens_per_s"]
+        )
         assert w["baseline"]["counters"]["after"]["drafts"] == 0  # the baseline has no draft
         total_drafts, total_acc = total_drafts + drafts, total_acc + acc
     assert r["acceptance_length"] == pytest.approx(1 + total_acc / total_drafts)
@@ -265,15 +384,25 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
     assert len((out / "outputs" / "speculative-c3.jsonl").read_text().splitlines()) == 5
     # How vLLM loaded the export (its own log lines): the embedding is not in the export, so vLLM
     # shares the target's and keeps our lm_head; the auxiliary layer ids reached the target.
-    spec_log = next(p.read_text() for p in sorted((out / "logs").glob("*.log")) if "--speculative-config" in p.read_text())
-    assert "without its own embed_tokens" in spec_log and "distinct lm_head" in spec_log, spec_log[-3000:]
+    spec_log = next(
+        p.read_text()
+        for p in sorted((out / "logs").glob("*.log"))
+        if "--speculative-config" in p.read_text()
+    )
+    assert "without its own embed_tokens" in spec_log and "distinct lm_head" in spec_log, spec_log[
+        -3000:
+    ]
     assert "(2, 15, 27)" in spec_log
-    print(f"\nverify: acceptance length {r['acceptance_length']:.3f}, per position "
-          f"{[round(x, 3) for x in r['acceptance']['acceptance_per_position']]}, speedup {r['speedup']}, "
-          f"greedy mismatches {r['outputs']['mismatches']}/{r['outputs']['compared']}, offline "
-          f"{r['offline']['acceptance_length']:.3f} (diff {r['offline']['difference_from_vllm']:+.3f})")
+    print(
+        f"\nverify: acceptance length {r['acceptance_length']:.3f}, per position "
+        f"{[round(x, 3) for x in r['acceptance']['acceptance_per_position']]}, speedup {r['speedup']}, "
+        f"greedy mismatches {r['outputs']['mismatches']}/{r['outputs']['compared']}, offline "
+        f"{r['offline']['acceptance_length']:.3f} (diff {r['offline']['difference_from_vllm']:+.3f})"
+    )
     assert r["offline"]["chains"] > 0 and math.isfinite(r["offline"]["difference_from_vllm"])
-    assert r["offline"]["ngram"]["chains"] > 0  # the n-gram simulated on the offline estimate's sequences
+    assert (
+        r["offline"]["ngram"]["chains"] > 0
+    )  # the n-gram simulated on the offline estimate's sequences
 
     # The n-gram baseline (a third server, same prompts): vLLM's counters, and the simulation over
     # that server's own outputs counting the same drafts and draft tokens, and the same accepted
@@ -286,22 +415,40 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
         assert after["generation_tokens"] - before["generation_tokens"] == s["output_tokens"] > 0
         drafts, acc = after["drafts"] - before["drafts"], after["accepted"] - before["accepted"]
         assert drafts <= after["draft_tokens"] - before["draft_tokens"] <= k * drafts
-        assert sum(after["accepted_per_pos"].get(str(i), 0) - before["accepted_per_pos"].get(str(i), 0)
-                   for i in range(k)) == acc
-        assert nw["outputs"]["mismatches"] == 0  # float32 greedy: n-gram speculation changes nothing either
+        assert (
+            sum(
+                after["accepted_per_pos"].get(str(i), 0) - before["accepted_per_pos"].get(str(i), 0)
+                for i in range(k)
+            )
+            == acc
+        )
+        assert (
+            nw["outputs"]["mismatches"] == 0
+        )  # float32 greedy: n-gram speculation changes nothing either
         sv = nw["simulated_vs_vllm"]
         print(f"n-gram c={nw['concurrency']}: " + ", ".join(f"{n} {sv[n]}" for n in sv))
-        assert [sv[n]["simulated"] for n in ("drafts", "draft_tokens")] == [sv[n]["vllm"] for n in ("drafts", "draft_tokens")], sv
-        a = sv["accepted"]  # vLLM may have accepted proposed tokens past max_tokens before cutting the output
+        assert [sv[n]["simulated"] for n in ("drafts", "draft_tokens")] == [
+            sv[n]["vllm"] for n in ("drafts", "draft_tokens")
+        ], sv
+        a = sv[
+            "accepted"
+        ]  # vLLM may have accepted proposed tokens past max_tokens before cutting the output
         assert a["simulated"] <= a["vllm"] <= a["simulated"] + a["unchecked_at_ends"], sv
     assert len((out / "outputs" / "ngram-c1.jsonl").read_text().splitlines()) == 5
-    assert r["versus_ngram"]["concurrency"] == 1 and r["gate"]["checks"]["beats_ngram"] in (True, False)
-    print(f"n-gram: acceptance length {ng['acceptance_length']} (vLLM, proposing steps), "
-          f"{ng['acceptance_length_all_steps']:.3f} over all steps; speedup {ng['speedup']}; ready in "
-          f"{ng['server']['ready_s']} s")
+    assert r["versus_ngram"]["concurrency"] == 1 and r["gate"]["checks"]["beats_ngram"] in (
+        True,
+        False,
+    )
+    print(
+        f"n-gram: acceptance length {ng['acceptance_length']} (vLLM, proposing steps), "
+        f"{ng['acceptance_length_all_steps']:.3f} over all steps; speedup {ng['speedup']}; ready in "
+        f"{ng['server']['ready_s']} s"
+    )
     assert "## N-gram baseline (prompt lookup) vs the draft" in (out / "report.md").read_text()
     assert r["gate"]["passed"] and r["promoted"]
-    assert os.path.realpath(tmp_path / "promoted" / "smollm2-cpu" / "latest") == os.path.realpath(r["promoted"])
+    assert os.path.realpath(tmp_path / "promoted" / "smollm2-cpu" / "latest") == os.path.realpath(
+        r["promoted"]
+    )
 
 
 @pytest.mark.vllm
@@ -311,10 +458,18 @@ def test_verify_gate_fails_without_speculation(vllm_server, smol_model, trained_
     from eagle3.verify import verify
     from tests.conftest import gen_cfg
 
-    cfg = gen_cfg(tmp_path, f"verify.workload={PROMPTS}", "verify.num_prompts=1", "verify.turns=1",
-                  "verify.max_tokens=8", "verify.concurrency=[1]", "verify.offline_estimate=false",
-                  "serve.backend=external", f"serve.base_url={vllm_server.base_url}",
-                  f"verify.speculative_base_url={vllm_server.base_url}")
+    cfg = gen_cfg(
+        tmp_path,
+        f"verify.workload={PROMPTS}",
+        "verify.num_prompts=1",
+        "verify.turns=1",
+        "verify.max_tokens=8",
+        "verify.concurrency=[1]",
+        "verify.offline_estimate=false",
+        "serve.backend=external",
+        f"serve.base_url={vllm_server.base_url}",
+        f"verify.speculative_base_url={vllm_server.base_url}",
+    )
     with pytest.raises(GateFailed, match="no speculative drafts were counted.*not promoted"):
         verify(cfg, str(smol_model), trained_draft, tmp_path / "verify")
     r = json.loads((tmp_path / "verify" / "report.json").read_text())
@@ -336,4 +491,8 @@ def test_candidate_link_points_at_the_draft_under_test(tmp_path):
     point_candidate(link, b)
     assert link.resolve() == b.resolve() and not list(link.parent.glob(".*tmp"))
     cfg = load_config(KIMI_PROFILE)
-    assert cfg.verify.speculative_unit and cfg.verify.candidate_link and not cfg.verify.offline_estimate
+    assert (
+        cfg.verify.speculative_unit
+        and cfg.verify.candidate_link
+        and not cfg.verify.offline_estimate
+    )

@@ -26,7 +26,12 @@ def vllm_processes(marker: str) -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
@@ -36,15 +41,23 @@ def vllm_processes(marker: str) -> list[str]:
 
 
 def test_chat_with_exact_token_ids(vllm_server, smol_model):
-    r = chat(vllm_server.base_url, vllm_server.model, "What is the capital of France?", max_tokens=24)
+    r = chat(
+        vllm_server.base_url, vllm_server.model, "What is the capital of France?", max_tokens=24
+    )
     assert "paris" in r.content.lower()
     assert r.prompt_token_ids and r.completion_token_ids
     tok = AutoTokenizer.from_pretrained(smol_model)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     assert r.prompt_token_ids == list(prompt), "server and local chat template disagree"
     assert tok.decode(r.completion_token_ids, skip_special_tokens=True).strip() == r.content.strip()
-    assert r.finish_reason == "stop" and r.completion_token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert r.finish_reason == "stop" and r.completion_token_ids[-1] == tok.convert_tokens_to_ids(
+        "<|im_end|>"
+    )
 
 
 def test_cli_serve_ctrl_c_leaves_no_process(smol_model, tmp_path):
@@ -55,9 +68,26 @@ def test_cli_serve_ctrl_c_leaves_no_process(smol_model, tmp_path):
 
     port = free_port()
     cli = subprocess.Popen(
-        [sys.executable, "-m", "eagle3.cli", "serve", "-c", str(CPU_PROFILE), "--set", f"serve.port={port}",
-         "--set", f"paths.runs_dir={tmp_path}", "--chat", "Say hi.", "--hold"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "eagle3.cli",
+            "serve",
+            "-c",
+            str(CPU_PROFILE),
+            "--set",
+            f"serve.port={port}",
+            "--set",
+            f"paths.runs_dir={tmp_path}",
+            "--chat",
+            "Say hi.",
+            "--hold",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     out = []
     try:
@@ -69,7 +99,9 @@ def test_cli_serve_ctrl_c_leaves_no_process(smol_model, tmp_path):
         assert any('"completion_token_ids"' in ln for ln in out)
         assert vllm_processes(f"--port {port}"), "server should be running before Ctrl-C"
         os.killpg(cli.pid, signal.SIGINT)
-        rest, _ = cli.communicate(timeout=120)  # keep draining its output: a full pipe would block the exit
+        rest, _ = cli.communicate(
+            timeout=120
+        )  # keep draining its output: a full pipe would block the exit
         out.append(rest or "")
     finally:
         if cli.poll() is None:
@@ -100,7 +132,9 @@ def test_early_death_reports_exit_code_and_log(smol_model, tmp_path):
     for f in smol_model.iterdir():
         (bad / f.name).symlink_to(f)
     (bad / "config.json").unlink()
-    conf = json.loads((smol_model / "config.json").read_text()) | {"architectures": ["NoSuchModelForCausalLM"]}
+    conf = json.loads((smol_model / "config.json").read_text()) | {
+        "architectures": ["NoSuchModelForCausalLM"]
+    }
     (bad / "config.json").write_text(json.dumps(conf))
     cfg = load_config(CPU_PROFILE, ["serve.ready_timeout_s=600", f"paths.runs_dir={tmp_path}"])
     t0 = time.monotonic()
@@ -109,4 +143,6 @@ def test_early_death_reports_exit_code_and_log(smol_model, tmp_path):
     waited = time.monotonic() - t0
     msg = str(e.value)
     assert "exited with code" in msg and "NoSuchModelForCausalLM" in msg
-    assert waited < 120, f"took {waited:.0f} s: death must be seen when it happens, not at the timeout"
+    assert waited < 120, (
+        f"took {waited:.0f} s: death must be seen when it happens, not at the timeout"
+    )

@@ -7,10 +7,10 @@ vLLM adds (target = i + d2t[i]), never the ids themselves.
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import struct
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -27,7 +27,6 @@ from eagle3.vocab import (
     plot_coverage,
     save_vocab,
 )
-
 
 # ---------------------------------------------------------------- reference and data
 
@@ -47,8 +46,14 @@ def brute_force(sequences, vocab_size: int, draft_vocab_size: int):
     return c, kept, coverage, distinct, max(0, draft_vocab_size - distinct)
 
 
-def random_sequences(seed: int, vocab_size: int, n_seq: int, max_len: int, id_range: int | None = None,
-                     zipf: bool = True):
+def random_sequences(
+    seed: int,
+    vocab_size: int,
+    n_seq: int,
+    max_len: int,
+    id_range: int | None = None,
+    zipf: bool = True,
+):
     """Token sequences with a loss mask: a 'prompt' part (mask 0) then an 'assistant' part (mask 1)
     plus random holes, ids drawn Zipf-like (realistic) or uniformly from a small range (tie-heavy)."""
     rng = random.Random(seed)
@@ -75,7 +80,11 @@ def assert_matches_reference(sequences, vocab_size: int, draft_vocab_size: int):
     assert counts.tolist() == [c[t] for t in range(vocab_size)]
 
     m = build_vocab(counts, draft_vocab_size)
-    assert m.draft_ids.dtype == torch.int64 and m.d2t.dtype == torch.int64 and m.t2d.dtype == torch.bool
+    assert (
+        m.draft_ids.dtype == torch.int64
+        and m.d2t.dtype == torch.int64
+        and m.t2d.dtype == torch.bool
+    )
     assert m.draft_ids.tolist() == kept
     assert m.d2t.shape == (draft_vocab_size,) and m.t2d.shape == (vocab_size,)
     # d2t is an OFFSET: i + d2t[i] gives back exactly the sorted kept ids.
@@ -101,8 +110,14 @@ def test_count_respects_mask():
 
 
 def test_count_accepts_tensors_and_generators_and_empty():
-    seqs = (x for x in [(torch.tensor([1, 2, 2], dtype=torch.int32), torch.tensor([1, 1, 1])), ([], []),
-                        (torch.tensor([3]), torch.tensor([True]))])
+    seqs = (
+        x
+        for x in [
+            (torch.tensor([1, 2, 2], dtype=torch.int32), torch.tensor([1, 1, 1])),
+            ([], []),
+            (torch.tensor([3]), torch.tensor([True])),
+        ]
+    )
     assert count_tokens(seqs, 4).tolist() == [0, 1, 2, 1]
 
 
@@ -270,14 +285,20 @@ def _mapping(seed: int = 0, vocab_size: int = 1000, draft: int = 128):
 def test_save_load_round_trip(tmp_path: Path):
     m = _mapping()
     path = tmp_path / "vocab" / "vocab.safetensors"
-    save_vocab(m, path, {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "samples": 30, "hash": "abc"})
+    save_vocab(
+        m, path, {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "samples": 30, "hash": "abc"}
+    )
     got = load_vocab(path)
     for name in ("d2t", "t2d", "draft_ids", "counts"):
         a, b = getattr(m, name), getattr(got, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert got.coverage == m.coverage  # repr() of a float round-trips exactly
     assert (got.distinct, got.padded) == (m.distinct, m.padded)
-    assert got.metadata == {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "samples": "30", "hash": "abc"}
+    assert got.metadata == {
+        "target": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "samples": "30",
+        "hash": "abc",
+    }
     assert [p.name for p in path.parent.iterdir()] == ["vocab.safetensors"]  # no temp file left
 
 
@@ -290,7 +311,13 @@ def test_saved_file_is_plain_safetensors_with_string_metadata(tmp_path: Path):
     header = json.loads(raw[8 : 8 + n])
     meta = header.pop("__metadata__")
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
-    assert {"coverage", "distinct", "padded", "draft_vocab_size", "target_vocab_size"} <= meta.keys()
+    assert {
+        "coverage",
+        "distinct",
+        "padded",
+        "draft_vocab_size",
+        "target_vocab_size",
+    } <= meta.keys()
     assert meta["draft_vocab_size"] == "300" and meta["target_vocab_size"] == "500"
     assert header["d2t"]["dtype"] == "I64" and header["d2t"]["shape"] == [300]
     assert header["t2d"]["dtype"] == "BOOL" and header["t2d"]["shape"] == [500]
@@ -323,15 +350,26 @@ def test_load_refuses_inconsistent_file(tmp_path: Path):
 
     m = _mapping()
     path = tmp_path / "bad.safetensors"
-    meta = {"coverage": "1.0", "distinct": "1", "padded": "0",
-            "draft_vocab_size": str(m.draft_vocab_size), "target_vocab_size": str(m.target_vocab_size)}
+    meta = {
+        "coverage": "1.0",
+        "distinct": "1",
+        "padded": "0",
+        "draft_vocab_size": str(m.draft_vocab_size),
+        "target_vocab_size": str(m.target_vocab_size),
+    }
     # d2t holding ids instead of offsets: the bug that makes vLLM load silently wrong.
-    save_file({"d2t": m.draft_ids.clone(), "t2d": m.t2d, "draft_ids": m.draft_ids, "counts": m.counts}, str(path), meta)
+    save_file(
+        {"d2t": m.draft_ids.clone(), "t2d": m.t2d, "draft_ids": m.draft_ids, "counts": m.counts},
+        str(path),
+        meta,
+    )
     with pytest.raises(ValueError, match="offset"):
         load_vocab(path)
     t2d = m.t2d.clone()
     t2d[int(torch.nonzero(~t2d)[0])] = True
-    save_file({"d2t": m.d2t, "t2d": t2d, "draft_ids": m.draft_ids, "counts": m.counts}, str(path), meta)
+    save_file(
+        {"d2t": m.d2t, "t2d": t2d, "draft_ids": m.draft_ids, "counts": m.counts}, str(path), meta
+    )
     with pytest.raises(ValueError, match="t2d"):
         load_vocab(path)
     save_file({"d2t": m.d2t, "t2d": m.t2d, "counts": m.counts}, str(path), meta)
@@ -341,7 +379,14 @@ def test_load_refuses_inconsistent_file(tmp_path: Path):
 
 def test_no_pickle_anywhere(tmp_path: Path, monkeypatch):
     source = Path(vocab_mod.__file__).read_text()
-    for forbidden in ("import pickle", "pickle.", "torch.save", "torch.load", "numpy.save", "np.save"):
+    for forbidden in (
+        "import pickle",
+        "pickle.",
+        "torch.save",
+        "torch.load",
+        "numpy.save",
+        "np.save",
+    ):
         assert forbidden not in source, forbidden
 
     def refuse(*a, **k):
@@ -355,7 +400,11 @@ def test_no_pickle_anywhere(tmp_path: Path, monkeypatch):
     m = _mapping()
     save_vocab(m, path, {"k": "v"})
     assert torch.equal(load_vocab(path).d2t, m.d2t)
-    assert path.read_bytes()[:2] not in (b"\x80\x02", b"\x80\x04", b"PK")  # not a pickle or torch zip
+    assert path.read_bytes()[:2] not in (
+        b"\x80\x02",
+        b"\x80\x04",
+        b"PK",
+    )  # not a pickle or torch zip
 
 
 def test_library_has_no_prefect_import():

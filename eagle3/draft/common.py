@@ -93,7 +93,11 @@ def rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from transformers 4.x (rope_theta + rope_scaling) or
     5.x (rope_parameters) style configs."""
     params = c.get("rope_parameters")
-    if isinstance(params, dict) and params and not any(isinstance(v, dict) for v in params.values()):
+    if (
+        isinstance(params, dict)
+        and params
+        and not any(isinstance(v, dict) for v in params.values())
+    ):
         theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
@@ -158,8 +162,14 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-           past_kv: KVCache | None, **sdpa: Any) -> tuple[torch.Tensor, KVCache]:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    past_kv: KVCache | None,
+    **sdpa: Any,
+) -> tuple[torch.Tensor, KVCache]:
     """SDPA over an optional KV prefix, with the mask convention of the module docstring.
 
     ``q`` [B, heads, T, d], ``k``/``v`` this call's keys and values (dim 2 = positions). Returns
@@ -260,7 +270,9 @@ class DraftModel(nn.Module):
         """Copy the target's input embedding (frozen), reading only that tensor from disk."""
         embed = load_target_tensor(model_dir, EMBED_NAMES)
         if tuple(embed.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(f"target embedding {tuple(embed.shape)} != draft {tuple(self.embed_tokens.weight.shape)}")
+            raise ValueError(
+                f"target embedding {tuple(embed.shape)} != draft {tuple(self.embed_tokens.weight.shape)}"
+            )
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
 
@@ -300,7 +312,9 @@ class DraftModel(nn.Module):
         if last == cfg.fc_input_size and last != cfg.hidden_size:
             hidden_states = self.fc(hidden_states)
         elif last != cfg.hidden_size:
-            raise ValueError(f"hidden_states last dim {last}: expected {cfg.fc_input_size} or {cfg.hidden_size}")
+            raise ValueError(
+                f"hidden_states last dim {last}: expected {cfg.fc_input_size} or {cfg.hidden_size}"
+            )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         inputs_embeds = inputs_embeds.to(hidden_states.dtype)

@@ -101,11 +101,18 @@ VLLM_WEIGHT_NAMES = (
 def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape vLLM allocates for it (llama_eagle3.py + LlamaAttention/LlamaMLP;
     for an MLA config deepseek_eagle3.py + DeepseekV2MLAAttention/DeepseekV2MLP)."""
-    return {**arch_of(cfg).weight_shapes(cfg), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
+    return {
+        **arch_of(cfg).weight_shapes(cfg),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
 
 
 def _eagle_config(cfg: Any) -> dict[str, Any]:
-    return {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True}
+    return {
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "use_aux_hidden_state": True,
+    }
 
 
 def vllm_config_dict(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
@@ -129,10 +136,16 @@ def draft_tensors(
     d2t = torch.as_tensor(d2t).to(torch.int64).reshape(-1).contiguous()
     t2d = torch.as_tensor(t2d).to(torch.bool).reshape(-1).contiguous()
     if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
-        raise ValueError(f"d2t {d2t.numel()} / t2d {t2d.numel()} rows do not fit draft vocab "
-                         f"{cfg.draft_vocab_size} / target vocab {cfg.vocab_size}")
+        raise ValueError(
+            f"d2t {d2t.numel()} / t2d {t2d.numel()} rows do not fit draft vocab "
+            f"{cfg.draft_vocab_size} / target vocab {cfg.vocab_size}"
+        )
     ids = torch.arange(d2t.numel(), dtype=torch.int64) + d2t
-    if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()) or int(t2d.sum()) != d2t.numel() or not bool(t2d[ids].all()):
+    if (
+        bool(((ids < 0) | (ids >= cfg.vocab_size)).any())
+        or int(t2d.sum()) != d2t.numel()
+        or not bool(t2d[ids].all())
+    ):
         raise ValueError("d2t/t2d inconsistent: i + d2t[i] must be the target ids t2d marks")
     if cfg.draft_vocab_size == cfg.vocab_size:
         # vLLM allocates no draft_id_to_target_id for a full-vocab draft: a d2t would not load.
@@ -180,10 +193,17 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def _write_export(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
-                  metadata: dict[str, Any] | None) -> Path:
+def _write_export(
+    out_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    metadata: dict[str, Any] | None,
+) -> Path:
     """``model.safetensors`` (``metadata`` in its header) + ``config.json``, atomically."""
-    header = {"format": "pt", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}}
+    header = {
+        "format": "pt",
+        **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()},
+    }
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata=header)
@@ -222,7 +242,11 @@ def speculators_config_dict(
     verifier_architectures: list[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, Any]:
-    layer = {**llama_fields(cfg, dtype), "architectures": ["LlamaForCausalLM"], "eagle_config": _eagle_config(cfg)}
+    layer = {
+        **llama_fields(cfg, dtype),
+        "architectures": ["LlamaForCausalLM"],
+        "eagle_config": _eagle_config(cfg),
+    }
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -273,13 +297,20 @@ def export_speculators(
     """
     cfg = _check_cfg(model, cfg)
     if not arch_of(cfg).speculators_format:
-        raise ValueError("the speculators format describes Llama layers only: export an MLA draft with export_vllm")
+        raise ValueError(
+            "the speculators format describes Llama layers only: export an MLA draft with export_vllm"
+        )
     tensors = {
         ("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
         for k, v in draft_tensors(model, d2t, t2d, dtype).items()
     }
-    config = speculators_config_dict(cfg, verifier, num_speculative_tokens=num_speculative_tokens,
-                                     verifier_architectures=verifier_architectures, dtype=dtype)
+    config = speculators_config_dict(
+        cfg,
+        verifier,
+        num_speculative_tokens=num_speculative_tokens,
+        verifier_architectures=verifier_architectures,
+        dtype=dtype,
+    )
     return _write_export(Path(out_dir), tensors, config, metadata)
 
 
@@ -287,7 +318,9 @@ def _check_cfg(model: DraftModel, cfg: Any | None) -> Any:
     if cfg is None:
         return model.config
     if type(cfg) is not type(model.config) or cfg.to_dict() != model.config.to_dict():
-        raise ValueError("cfg disagrees with model.config: export the config the model was built with")
+        raise ValueError(
+            "cfg disagrees with model.config: export the config the model was built with"
+        )
     return cfg
 
 
@@ -301,13 +334,21 @@ def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Lo
     path = Path(path)
     conf = json.loads((path / "config.json").read_text())
     arch = arch_of_export(conf.get("architectures") or [])
-    if "speculators_config" in conf and arch.speculators_format:  # unwrap to the vLLM format's fields
+    if (
+        "speculators_config" in conf and arch.speculators_format
+    ):  # unwrap to the vLLM format's fields
         layer = conf["transformer_layer_config"]
-        aux = conf.get("eagle_aux_hidden_state_layer_ids") or layer["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        conf = {**layer, "draft_vocab_size": conf["draft_vocab_size"],
-                "target_hidden_size": conf.get("target_hidden_size") or layer["hidden_size"],
-                "norm_before_residual": conf.get("norm_before_residual", True),
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}
+        aux = (
+            conf.get("eagle_aux_hidden_state_layer_ids")
+            or layer["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        )
+        conf = {
+            **layer,
+            "draft_vocab_size": conf["draft_vocab_size"],
+            "target_hidden_size": conf.get("target_hidden_size") or layer["hidden_size"],
+            "norm_before_residual": conf.get("norm_before_residual", True),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
+        }
     return _load_tensors(path, arch.module_cls(arch.config_from_export(conf)).to(dtype), dtype)
 
 
@@ -315,10 +356,14 @@ def _load_tensors(path: Path, model: DraftModel, dtype: torch.dtype) -> Loaded:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path / "model.safetensors"))
-    tensors = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
-               for k, v in tensors.items()}
+    tensors = {
+        ("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
+        for k, v in tensors.items()
+    }
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d")
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) for k, v in tensors.items()}, strict=False
+    )
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")

@@ -35,8 +35,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.draft.common import (ConfigMethods, DraftModel, KVCache, attend, check_common_fields, dtype_name,
-                                 read_config, rope_from_config, text_config)
+from eagle3.draft.common import (
+    ConfigMethods,
+    DraftModel,
+    KVCache,
+    attend,
+    check_common_fields,
+    dtype_name,
+    read_config,
+    rope_from_config,
+    text_config,
+)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -75,8 +84,10 @@ class DraftConfig(ConfigMethods):
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} not supported (supported: {SUPPORTED_ROPE_TYPES}); "
-                             "override rope_scaling=None to use plain RoPE")
+            raise ValueError(
+                f"rope type {rope_type!r} not supported (supported: {SUPPORTED_ROPE_TYPES}); "
+                "override rope_scaling=None to use plain RoPE"
+            )
 
     @classmethod
     def from_target(
@@ -85,7 +96,7 @@ class DraftConfig(ConfigMethods):
         draft_vocab_size: int,
         aux_layer_ids: Sequence[int],
         **overrides: Any,
-    ) -> "DraftConfig":
+    ) -> DraftConfig:
         """Derive the draft's config from the target's ``config.json`` (a dict, a file or a folder).
 
         The draft copies the target's Llama-relevant fields (hidden size, heads, KV heads, head_dim,
@@ -116,7 +127,9 @@ class DraftConfig(ConfigMethods):
             rope_scaling=rope_scaling,
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
             hidden_act=str(text.get("hidden_act", "silu")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(
+                cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
         )
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
@@ -127,10 +140,13 @@ class DraftConfig(ConfigMethods):
 
 def config_from_export(conf: dict[str, Any]) -> DraftConfig:
     """The config of a vLLM-format export's ``config.json`` (the speculators format unwrapped to it)."""
-    return DraftConfig.from_target(conf, int(conf["draft_vocab_size"]),
-                                   conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-                                   target_hidden_size=int(conf["target_hidden_size"]),
-                                   norm_before_residual=bool(conf.get("norm_before_residual", False)))
+    return DraftConfig.from_target(
+        conf,
+        int(conf["draft_vocab_size"]),
+        conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        target_hidden_size=int(conf["target_hidden_size"]),
+        norm_before_residual=bool(conf.get("norm_before_residual", False)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +180,9 @@ def _yarn_inv_freq(cfg: DraftConfig, inv: torch.Tensor) -> tuple[torch.Tensor, f
     if s.get("attention_factor") is not None:
         mscale = float(s["attention_factor"])
     elif s.get("mscale") and s.get("mscale_all_dim"):
-        mscale = get_mscale(factor, float(s["mscale"])) / get_mscale(factor, float(s["mscale_all_dim"]))
+        mscale = get_mscale(factor, float(s["mscale"])) / get_mscale(
+            factor, float(s["mscale_all_dim"])
+        )
     else:
         mscale = get_mscale(factor)
     return new, mscale
@@ -181,12 +199,17 @@ def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
     if kind == "linear":
         return inv / float(s["factor"]), 1.0
     if kind == "llama3":
-        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        factor, lo, hi = (
+            float(s["factor"]),
+            float(s["low_freq_factor"]),
+            float(s["high_freq_factor"]),
+        )
         orig = float(s["original_max_position_embeddings"])
         wave = 2 * math.pi / inv
         smooth = (orig / wave - lo) / (hi - lo) if lo != hi else torch.zeros_like(inv)
         new = torch.where(
-            wave < orig / hi, inv,
+            wave < orig / hi,
+            inv,
             torch.where(wave > orig / lo, inv / factor, (1 - smooth) * inv / factor + smooth * inv),
         )
         return new, 1.0
@@ -204,7 +227,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.mscale = mscale
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [B, 1, T, head_dim] for position_ids [B, T]."""
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -292,7 +317,11 @@ def llama_fields(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[
     """The Llama layer config both export formats carry (transformers 4.x and 5.x RoPE spellings)."""
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
-        rope_parameters = {**cfg.rope_scaling, "rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+        rope_parameters = {
+            **cfg.rope_scaling,
+            "rope_type": cfg.rope_type,
+            "rope_theta": cfg.rope_theta,
+        }
     out: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,

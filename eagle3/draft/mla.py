@@ -63,8 +63,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.draft.common import (ConfigMethods, DraftModel, KVCache, RMSNorm, attend, check_common_fields, dtype_name,
-                                 read_config, rope_from_config, text_config)
+from eagle3.draft.common import (
+    ConfigMethods,
+    DraftModel,
+    KVCache,
+    RMSNorm,
+    attend,
+    check_common_fields,
+    dtype_name,
+    read_config,
+    rope_from_config,
+    text_config,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -103,15 +113,23 @@ class MLADraftConfig(ConfigMethods):
     def __post_init__(self) -> None:
         check_common_fields(self, "DeepseekV2MLP")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim <= 0:
-            raise ValueError(f"qk_rope_head_dim must be even and positive, got {self.qk_rope_head_dim}")
+            raise ValueError(
+                f"qk_rope_head_dim must be even and positive, got {self.qk_rope_head_dim}"
+            )
         if self.q_lora_rank is not None:
             self.q_lora_rank = int(self.q_lora_rank)
         if self.rope_type not in MLA_ROPE_TYPES:
-            raise ValueError(f"rope type {self.rope_type!r}: vLLM's MLA layer treats every non-default type as "
-                             f"DeepSeek YaRN, so only {MLA_ROPE_TYPES} are accepted; override rope_scaling=None "
-                             "for plain RoPE")
+            raise ValueError(
+                f"rope type {self.rope_type!r}: vLLM's MLA layer treats every non-default type as "
+                f"DeepSeek YaRN, so only {MLA_ROPE_TYPES} are accepted; override rope_scaling=None "
+                "for plain RoPE"
+            )
         if self.rope_type != "default":
-            missing = [k for k in ("factor", "original_max_position_embeddings") if k not in (self.rope_scaling or {})]
+            missing = [
+                k
+                for k in ("factor", "original_max_position_embeddings")
+                if k not in (self.rope_scaling or {})
+            ]
             if missing:
                 raise ValueError(f"YaRN rope_scaling needs {missing}")
 
@@ -126,7 +144,7 @@ class MLADraftConfig(ConfigMethods):
         draft_vocab_size: int,
         aux_layer_ids: Sequence[int],
         **overrides: Any,
-    ) -> "MLADraftConfig":
+    ) -> MLADraftConfig:
         """Derive the MLA draft's config from a DeepSeek-V2/V3 or Kimi-K2(.5) target config.
 
         Copies the target's MLA geometry (heads, q_lora_rank, kv_lora_rank, nope/rope/v head dims),
@@ -137,15 +155,19 @@ class MLADraftConfig(ConfigMethods):
         cfg = read_config(target_config)
         text = text_config(cfg)
         if "num_key_value_heads" in overrides:
-            raise TypeError("num_key_value_heads does not apply to the MLA draft (every head reads the shared "
-                            "latent); drop train.draft_num_key_value_heads or use train.draft_arch: llama")
+            raise TypeError(
+                "num_key_value_heads does not apply to the MLA draft (every head reads the shared "
+                "latent); drop train.draft_num_key_value_heads or use train.draft_arch: llama"
+            )
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown MLADraftConfig fields: {sorted(unknown)}")
         missing = [k for k in MLA_FIELDS if text.get(k) is None and k not in overrides]
         if missing:
-            raise ValueError(f"the target config has no MLA fields {missing} (not a DeepSeek/Kimi-style model?): "
-                             "use the Llama draft (train.draft_arch: llama) or give them as overrides")
+            raise ValueError(
+                f"the target config has no MLA fields {missing} (not a DeepSeek/Kimi-style model?): "
+                "use the Llama draft (train.draft_arch: llama) or give them as overrides"
+            )
         hidden = int(text["hidden_size"])
         rope_theta, rope_scaling = rope_from_config(text)
         values: dict[str, Any] = dict(
@@ -166,7 +188,9 @@ class MLADraftConfig(ConfigMethods):
             rope_scaling=rope_scaling,
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
             hidden_act=str(text.get("hidden_act", "silu")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(
+                cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
         )
         values.update(overrides)
         for k in MLA_FIELDS:
@@ -206,8 +230,12 @@ def mla_rope(cfg: MLADraftConfig) -> tuple[torch.Tensor, float, float]:
     extrapolation = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     mscale_all_dim = float(s.get("mscale_all_dim") or 0.0)
-    magnitude = yarn_get_mscale(factor, float(s.get("mscale", 1.0))) / yarn_get_mscale(factor, mscale_all_dim)
-    if s.get("attention_factor") != 1.0:  # vLLM: deepseek_yarn; attention_factor == 1.0: deepseek_llama_scaling
+    magnitude = yarn_get_mscale(factor, float(s.get("mscale", 1.0))) / yarn_get_mscale(
+        factor, mscale_all_dim
+    )
+    if (
+        s.get("attention_factor") != 1.0
+    ):  # vLLM: deepseek_yarn; attention_factor == 1.0: deepseek_llama_scaling
         m = yarn_get_mscale(factor, mscale_all_dim)
         scale = scale * m * m
     return inv, magnitude, scale
@@ -223,7 +251,9 @@ class InterleavedRotary(nn.Module):
         self.magnitude = magnitude
         self.softmax_scale = scale
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [B, 1, T, dr] (each frequency repeated for its pair) for position_ids [B, T]."""
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
         emb = freqs.repeat_interleave(2, dim=-1)
@@ -253,7 +283,11 @@ class MLAAttention(nn.Module):
         self.n_heads = cfg.num_attention_heads
         self.q_lora_rank = cfg.q_lora_rank
         self.kv_lora_rank = cfg.kv_lora_rank
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
         qk = self.nope + self.rope
         in_dim = 2 * cfg.hidden_size
         if cfg.q_lora_rank is not None:
@@ -264,7 +298,9 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(in_dim, self.n_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(in_dim, cfg.kv_lora_rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False
+        )
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=False)
         self.softmax_scale = mla_rope(cfg)[2]
 
@@ -285,7 +321,11 @@ class MLAAttention(nn.Module):
         q = q.view(b, t, n, self.nope + self.rope).transpose(1, 2)  # [B, n, T, dn+dr]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_c)).view(b, t, n, self.nope + self.v_dim).transpose(1, 2)
+        kv = (
+            self.kv_b_proj(self.kv_a_layernorm(kv_c))
+            .view(b, t, n, self.nope + self.v_dim)
+            .transpose(1, 2)
+        )
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_pe = apply_rope_interleaved(q_pe, cos, sin)
         k_pe = apply_rope_interleaved(k_pe.unsqueeze(1), cos, sin)  # [B, 1, T, dr]: one shared head
@@ -321,37 +361,44 @@ def mla_weight_shapes(cfg: MLADraftConfig) -> dict[str, tuple[int, ...]]:
         shapes[a + "q_b_proj.weight"] = (n * cfg.qk_head_dim, cfg.q_lora_rank)
     else:
         shapes[a + "q_proj.weight"] = (n * cfg.qk_head_dim, 2 * h)
-    shapes.update({
-        a + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 2 * h),
-        a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-        a + "kv_b_proj.weight": (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-        a + "o_proj.weight": (h, n * cfg.v_head_dim),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "midlayer.mlp.gate_proj.weight": (i, h),
-        "midlayer.mlp.up_proj.weight": (i, h),
-        "midlayer.mlp.down_proj.weight": (h, i),
-        "norm.weight": (h,),
-        "lm_head.weight": (cfg.draft_vocab_size, h),
-    })
+    shapes.update(
+        {
+            a + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 2 * h),
+            a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+            a + "kv_b_proj.weight": (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            a + "o_proj.weight": (h, n * cfg.v_head_dim),
+            "midlayer.post_attention_layernorm.weight": (h,),
+            "midlayer.mlp.gate_proj.weight": (i, h),
+            "midlayer.mlp.up_proj.weight": (i, h),
+            "midlayer.mlp.down_proj.weight": (h, i),
+            "norm.weight": (h,),
+            "lm_head.weight": (cfg.draft_vocab_size, h),
+        }
+    )
     return shapes
 
 
 def config_from_export(conf: dict[str, Any]) -> MLADraftConfig:
     """The config of an MLA export's ``config.json``."""
-    return MLADraftConfig.from_target(conf, int(conf["draft_vocab_size"]),
-                                      conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-                                      target_hidden_size=int(conf["target_hidden_size"]),
-                                      q_lora_rank=conf.get("q_lora_rank"),
-                                      norm_before_residual=bool(conf.get("norm_before_residual", False)),
-                                      initializer_range=float(conf.get("initializer_range", 0.02)))
+    return MLADraftConfig.from_target(
+        conf,
+        int(conf["draft_vocab_size"]),
+        conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        target_hidden_size=int(conf["target_hidden_size"]),
+        q_lora_rank=conf.get("q_lora_rank"),
+        norm_before_residual=bool(conf.get("norm_before_residual", False)),
+        initializer_range=float(conf.get("initializer_range", 0.02)),
+    )
 
 
 def check_vllm_loadable(cfg: MLADraftConfig) -> None:
     """vLLM 0.32's loader stacks ``q_a_proj`` and ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``,
     which exists only with a ``q_lora_rank``: refuse to export a draft vLLM cannot load."""
     if cfg.q_lora_rank is None:
-        raise ValueError("an MLA draft without q_lora_rank cannot be loaded by vLLM 0.32 (its loader stacks "
-                         "kv_a_proj_with_mqa into fused_qkv_a_proj, which exists only with a q_lora_rank)")
+        raise ValueError(
+            "an MLA draft without q_lora_rank cannot be loaded by vLLM 0.32 (its loader stacks "
+            "kv_a_proj_with_mqa into fused_qkv_a_proj, which exists only with a q_lora_rank)"
+        )
 
 
 def mla_fields(cfg: MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
@@ -359,7 +406,11 @@ def mla_fields(cfg: MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict
     vLLM's DeepseekV2MLAAttention read)."""
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
-        rope_parameters = {**cfg.rope_scaling, "rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+        rope_parameters = {
+            **cfg.rope_scaling,
+            "rope_type": cfg.rope_type,
+            "rope_theta": cfg.rope_theta,
+        }
     out: dict[str, Any] = {
         "model_type": "deepseek_v2",  # not deepseek_v3: vLLM turns that into its MTP drafter
         "hidden_size": cfg.hidden_size,

@@ -27,11 +27,19 @@ class DraftArch:
     name: str  # the value of train.draft_arch
     config_cls: type  # dataclass with from_target(target_config, draft_vocab_size, aux_layer_ids, **overrides)
     module_cls: type[DraftModel]
-    vllm_architectures: tuple[str, ...]  # the first is what the export writes; all are recognised on load
-    weight_shapes: Callable[[Any], dict[str, tuple[int, ...]]]  # checkpoint name -> shape (trainable weights)
-    vllm_fields: Callable[[Any, torch.dtype], dict[str, Any]]  # the layer fields of the export's config.json
+    vllm_architectures: tuple[
+        str, ...
+    ]  # the first is what the export writes; all are recognised on load
+    weight_shapes: Callable[
+        [Any], dict[str, tuple[int, ...]]
+    ]  # checkpoint name -> shape (trainable weights)
+    vllm_fields: Callable[
+        [Any, torch.dtype], dict[str, Any]
+    ]  # the layer fields of the export's config.json
     config_from_export: Callable[[dict[str, Any]], Any]  # an export's config.json -> config
-    check_export: Callable[[Any], None] = lambda cfg: None  # raises if vLLM could not load the export
+    check_export: Callable[[Any], None] = lambda cfg: (
+        None
+    )  # raises if vLLM could not load the export
     speculators_format: bool = False  # the speculators format can describe its layer
 
     @property
@@ -103,7 +111,9 @@ def build_draft(
     ``arch``: "llama" (vLLM's Eagle3LlamaForCausalLM) or "mla" (vLLM's Eagle3DeepseekV2ForCausalLM,
     for DeepSeek/Kimi-family targets)."""
     spec = draft_arch(arch)
-    cfg = spec.config_cls.from_target(Path(target_dir), draft_vocab_size, aux_layer_ids, **overrides)
+    cfg = spec.config_cls.from_target(
+        Path(target_dir), draft_vocab_size, aux_layer_ids, **overrides
+    )
     model = spec.module_cls(cfg)
     if load_embeddings:
         model.load_embeddings(target_dir)

@@ -24,14 +24,25 @@ from typing import Any
 
 from eagle3.config import PipelineConfig
 from eagle3.extract.inputs import Example
-from eagle3.generate.prompts import RowError, _key, exclusion_keys, open_rows, row_messages, sample_id, select_turns
+from eagle3.generate.prompts import (
+    RowError,
+    _key,
+    exclusion_keys,
+    open_rows,
+    row_messages,
+    sample_id,
+    select_turns,
+)
 from eagle3.tokens import template_prompt_ids
 
 ID_PREFIX = "answer-"
 
 
-def answer_example(tokenizer: Any, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any],
-                   ) -> Example:
+def answer_example(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    chat_template_kwargs: dict[str, Any],
+) -> Example:
     """One example from a conversation's first user turn and the answer after it."""
     prompt = select_turns(messages, "first")
     answer = messages[len(prompt)]
@@ -41,11 +52,16 @@ def answer_example(tokenizer: Any, messages: list[dict[str, str]], chat_template
     completion = tokenizer.encode(answer["content"], add_special_tokens=False)
     eot = tokenizer.eos_token_id  # SmolLM2 / ChatML: <|im_end|>, what the target ends a turn with
     completion += [eot] if eot is not None else []
-    return Example(ID_PREFIX + sample_id([*prompt, answer]), ids + completion, [0] * len(ids) + [1] * len(completion))
+    return Example(
+        ID_PREFIX + sample_id([*prompt, answer]),
+        ids + completion,
+        [0] * len(ids) + [1] * len(completion),
+    )
 
 
-def dataset_answer_examples(cfg: PipelineConfig, tokenizer: Any, generated_ids: set[str],
-                            stats: Counter | None = None) -> Iterator[Example]:
+def dataset_answer_examples(
+    cfg: PipelineConfig, tokenizer: Any, generated_ids: set[str], stats: Counter | None = None
+) -> Iterator[Example]:
     """Up to ``extract.dataset_answers`` examples of ``generate.dataset`` in a seeded order
     (``generate.seed``); rows are parsed lazily. Rows that give none are counted in ``stats`` by
     reason (they are rows of the dataset, not samples: the generate stage records unreadable ones)."""
@@ -54,7 +70,9 @@ def dataset_answer_examples(cfg: PipelineConfig, tokenizer: Any, generated_ids: 
     rows, _ = open_rows(g.dataset, g.split)
     exclude = exclusion_keys(g.exclude_files, mt_bench=g.exclude_mt_bench)
     order = list(range(len(rows)))
-    random.Random(g.seed + 1).shuffle(order)  # not generate's order: its first prompts are left out anyway
+    random.Random(g.seed + 1).shuffle(
+        order
+    )  # not generate's order: its first prompts are left out anyway
     taken, seen = 0, set()
     for idx in order:
         if taken >= want:

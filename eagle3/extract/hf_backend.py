@@ -43,7 +43,9 @@ def decoder_layers(model: Any) -> torch.nn.ModuleList:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def load_base_model(model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
+def load_base_model(
+    model_path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False
+):
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -59,13 +61,16 @@ class LayerTap:
         self.captured: dict[str, torch.Tensor] = {}
         self.handles = []
         for k in aux_layers:
-            self.handles.append(self.layers[k].register_forward_pre_hook(self._pre(k), with_kwargs=True))
+            self.handles.append(
+                self.layers[k].register_forward_pre_hook(self._pre(k), with_kwargs=True)
+            )
         self.handles.append(self.layers[-1].register_forward_hook(self._post, with_kwargs=True))
 
     def _pre(self, k: int):
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
             self.captured[f"aux{k}"] = x
+
         return hook
 
     def _post(self, module, args, kwargs, output):
@@ -83,8 +88,9 @@ class LayerTap:
 
 
 @torch.inference_mode()
-def forward_states(model: Any, tap: LayerTap, seqs: list[list[int]], device: torch.device, pad_id: int = 0
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def forward_states(
+    model: Any, tap: LayerTap, seqs: list[list[int]], device: torch.device, pad_id: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One padded batch -> per sequence (aux [T, 3H], final [T, H]) on the CPU."""
     longest = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
@@ -117,9 +123,16 @@ def chunks(items: Iterable[Any], n: int) -> Iterator[list[Any]]:
         yield chunk
 
 
-def extract_hf(model_path: str, examples: Iterable[Any], aux_layers: list[int], token_budget: int,
-               chunk_samples: int = 512, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False
-               ) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor]]:
+def extract_hf(
+    model_path: str,
+    examples: Iterable[Any],
+    aux_layers: list[int],
+    token_budget: int,
+    chunk_samples: int = 512,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor]]:
     """Yield (example, aux [T, 3H], final [T, H]) for each example.
 
     Examples are read ``chunk_samples`` at a time (memory stays bounded) and length-bucketed

@@ -38,29 +38,40 @@ def out_of_vocab(ids: list[int], vocab_size: int | None) -> int | None:
     return next((i for i in ids if not 0 <= int(i) < vocab_size), None)
 
 
-def fit_example(ex: Example, max_seq_len: int, truncation: str = "truncate",
-                vocab_size: int | None = None) -> Example | tuple[str, str]:
+def fit_example(
+    ex: Example, max_seq_len: int, truncation: str = "truncate", vocab_size: int | None = None
+) -> Example | tuple[str, str]:
     """The example cut to ``max_seq_len`` (``truncate``), or (id, reason) when it gives no training
     position: too long under ``skip``, no loss token, or an id outside the target's vocabulary
     (the model would index past its embedding)."""
     bad = out_of_vocab(ex.input_ids, vocab_size)
     if bad is not None:
-        return ex.id, f"token id {bad} outside the target's vocabulary (target.vocab_size {vocab_size})"
+        return (
+            ex.id,
+            f"token id {bad} outside the target's vocabulary (target.vocab_size {vocab_size})",
+        )
     if not any(ex.loss_mask):
         return ex.id, "no completion tokens"
     n = len(ex.input_ids)
     if n > max_seq_len:
         if truncation == "skip":
             return ex.id, f"{n} tokens > max_seq_len {max_seq_len}"
-        ex = Example(ex.id, ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len], truncated_from=n)
+        ex = Example(
+            ex.id, ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len], truncated_from=n
+        )
         if not any(ex.loss_mask):
             return ex.id, f"prompt alone fills max_seq_len {max_seq_len}"
     return ex
 
 
-def iter_examples(generate_dir: Path, max_seq_len: int, truncation: str = "truncate",
-                  skip: set[str] = frozenset(), vocab_size: int | None = None,
-                  on_bad: Callable[[str, str], None] | None = None) -> Iterator[Example | tuple[str, str]]:
+def iter_examples(
+    generate_dir: Path,
+    max_seq_len: int,
+    truncation: str = "truncate",
+    skip: set[str] = frozenset(),
+    vocab_size: int | None = None,
+    on_bad: Callable[[str, str], None] | None = None,
+) -> Iterator[Example | tuple[str, str]]:
     """The generate folder's examples in storage order, through ``fit_example``."""
     for s in iter_samples(generate_dir, on_bad=on_bad):
         if s["id"] not in skip:

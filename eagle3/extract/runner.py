@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections import Counter
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,23 +26,35 @@ from eagle3.config import PipelineConfig
 from eagle3.errors import MissingSamples, NoResult, TokenIdMismatch, disk_full, is_disk_full
 from eagle3.extract.inputs import Example, iter_examples
 from eagle3.extract.storage import Sample, ShardWriter
-from eagle3.generate.storage import JsonlAppender, SampleScan, repair_jsonl, scan_samples, write_json_atomic
+from eagle3.generate.storage import (
+    JsonlAppender,
+    SampleScan,
+    repair_jsonl,
+    scan_samples,
+    write_json_atomic,
+)
 
-CONVENTION = ("vLLM: aux layer k is the INPUT of decoder layer k (= HF output_hidden_states[k], 0 = embeddings); "
-              "final is the OUTPUT of the last decoder layer before the final norm")
+CONVENTION = (
+    "vLLM: aux layer k is the INPUT of decoder layer k (= HF output_hidden_states[k], 0 = embeddings); "
+    "final is the OUTPUT of the last decoder layer before the final norm"
+)
 
 
 class TokenizerMismatch(TokenIdMismatch):
     """The local tokenizer is not the one the generate stage's server used."""
 
 
-def check_fingerprint(generate_manifest: dict[str, Any], model_path: str, cfg: PipelineConfig) -> str | None:
+def check_fingerprint(
+    generate_manifest: dict[str, Any], model_path: str, cfg: PipelineConfig
+) -> str | None:
     """The local tokenizer must be the one the server used in generate. Returns the fingerprint."""
     from transformers import AutoTokenizer
 
     from eagle3.fingerprint import local_fingerprint
 
-    tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or model_path, trust_remote_code=cfg.target.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(
+        cfg.target.tokenizer or model_path, trust_remote_code=cfg.target.trust_remote_code
+    )
     mine = local_fingerprint(tok, cfg.generate.chat_template_kwargs)
     theirs = generate_manifest.get("tokenizer_fingerprint")
     if theirs and theirs != mine:
@@ -58,8 +70,13 @@ def settings_key(cfg: PipelineConfig) -> str:
     """The extract stage key without its input: equal keys store equal states for equal tokens."""
     from eagle3 import artifacts
 
-    return artifacts.digest({"stage": "extract", "code": artifacts.CODE_VERSIONS["extract"],
-                             "config": artifacts.stage_config(cfg, "extract")})
+    return artifacts.digest(
+        {
+            "stage": "extract",
+            "code": artifacts.CODE_VERSIONS["extract"],
+            "config": artifacts.stage_config(cfg, "extract"),
+        }
+    )
 
 
 def previous_extract(cfg: PipelineConfig, out_dir: Path) -> Path | None:
@@ -102,7 +119,9 @@ class Reuse:
         if i is None:
             return None
         old = self.ds[i]
-        if old.input_ids.tolist() != list(ex.input_ids) or old.loss_mask.tolist() != [bool(m) for m in ex.loss_mask]:
+        if old.input_ids.tolist() != list(ex.input_ids) or old.loss_mask.tolist() != [
+            bool(m) for m in ex.loss_mask
+        ]:
             return None
         return old
 
@@ -119,7 +138,8 @@ def check_input(generate_dir: Path, gen_manifest: dict[str, Any]) -> SampleScan:
         raise MissingSamples(
             f"{generate_dir}: manifest.json lists {listed} samples, the shards hold {len(scan.ids)} "
             f"({len(scan.bad)} unreadable lines): a shard is missing or was cut. Restore it, or rerun generate "
-            "into that folder (it requests only what is missing), then rerun extract")
+            "into that folder (it requests only what is missing), then rerun extract"
+        )
     return scan
 
 
@@ -128,20 +148,32 @@ class ErrorLog:
     (a rerun meets the same bad lines again)."""
 
     def __init__(self, path: Path):
-        self.known = ({(r.get("id"), r.get("reason")) for r in repair_jsonl(path)[0]} if path.is_file() else set())
+        self.known = (
+            {(r.get("id"), r.get("reason")) for r in repair_jsonl(path)[0]}
+            if path.is_file()
+            else set()
+        )
         self.out = JsonlAppender(path)
 
     def record(self, sid: str | None, reason: str, where: str | None = None) -> None:
         if (sid, reason) not in self.known:
             self.known.add((sid, reason))
-            self.out.append({"id": sid, "reason": reason, **({"where": where} if where else {}), "time": time.time()})
+            self.out.append(
+                {
+                    "id": sid,
+                    "reason": reason,
+                    **({"where": where} if where else {}),
+                    "time": time.time(),
+                }
+            )
 
     def close(self) -> None:
         self.out.close()
 
 
-def _states(cfg: PipelineConfig, model_path: str, out_dir: Path,
-            examples: Iterator[Example]) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
+def _states(
+    cfg: PipelineConfig, model_path: str, out_dir: Path, examples: Iterator[Example]
+) -> Iterator[tuple[Example, torch.Tensor, torch.Tensor]]:
     """(example, aux states, final state) from the configured backend."""
     e, layers = cfg.extract, cfg.aux_layers
     first = next(examples, None)  # copies the reused samples up to the first one to compute
@@ -151,8 +183,16 @@ def _states(cfg: PipelineConfig, model_path: str, out_dir: Path,
     if e.backend == "hf":
         from eagle3.extract.hf_backend import extract_hf
 
-        yield from extract_hf(model_path, examples, layers, e.token_budget, e.chunk_samples, e.device, e.dtype,
-                              cfg.target.trust_remote_code)
+        yield from extract_hf(
+            model_path,
+            examples,
+            layers,
+            e.token_budget,
+            e.chunk_samples,
+            e.device,
+            e.dtype,
+            cfg.target.trust_remote_code,
+        )
         return
     from eagle3.extract.vllm_backend import extract_vllm
 
@@ -165,28 +205,46 @@ def _states(cfg: PipelineConfig, model_path: str, out_dir: Path,
             yield ex.id, ex.input_ids
 
     n = cfg.target.num_hidden_layers
-    for sid, hidden in extract_vllm(cfg, model_path, requests(), [*layers, n], out_dir / "vllm-work",
-                                    concurrency=e.vllm_concurrency):
+    for sid, hidden in extract_vllm(
+        cfg,
+        model_path,
+        requests(),
+        [*layers, n],
+        out_dir / "vllm-work",
+        concurrency=e.vllm_concurrency,
+    ):
         ex = waiting.pop(sid)
         yield ex, hidden[:, : len(layers)].flatten(1), hidden[:, len(layers)]
 
 
-def _answer_examples(cfg: PipelineConfig, model_path: str, generated: set[str], done: set[str],
-                     stats: Counter) -> Iterator[Example | tuple[str, str]]:
+def _answer_examples(
+    cfg: PipelineConfig, model_path: str, generated: set[str], done: set[str], stats: Counter
+) -> Iterator[Example | tuple[str, str]]:
     """``extract.dataset_answers`` examples (eagle3/extract/answers.py), cut like generate's."""
     from transformers import AutoTokenizer
 
     from eagle3.extract.answers import dataset_answer_examples
     from eagle3.extract.inputs import fit_example
 
-    tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or model_path, trust_remote_code=cfg.target.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(
+        cfg.target.tokenizer or model_path, trust_remote_code=cfg.target.trust_remote_code
+    )
     for ex in dataset_answer_examples(cfg, tok, generated, stats):
         if ex.id not in done:
-            yield fit_example(ex, cfg.extract.max_seq_len, cfg.extract.truncation, cfg.target.vocab_size)
+            yield fit_example(
+                ex, cfg.extract.max_seq_len, cfg.extract.truncation, cfg.target.vocab_size
+            )
 
 
-def _manifest(cfg: PipelineConfig, generate_dir: Path, model_path: str, fingerprint: str | None, writer: ShardWriter,
-              out_dir: Path, this_run: dict[str, Any]) -> dict[str, Any]:
+def _manifest(
+    cfg: PipelineConfig,
+    generate_dir: Path,
+    model_path: str,
+    fingerprint: str | None,
+    writer: ShardWriter,
+    out_dir: Path,
+    this_run: dict[str, Any],
+) -> dict[str, Any]:
     e = cfg.extract
     tokens = sum(v[2] for v in writer.index.values())
     shard_bytes = sum((out_dir / s).stat().st_size for s in writer.shards)
@@ -211,8 +269,14 @@ def _manifest(cfg: PipelineConfig, generate_dir: Path, model_path: str, fingerpr
     }
 
 
-def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: str,
-            on_progress: Callable[[int, int], None] | None = None, reuse_from: Path | None = None) -> dict[str, Any]:
+def extract(
+    cfg: PipelineConfig,
+    generate_dir: Path,
+    out_dir: Path,
+    model_path: str,
+    on_progress: Callable[[int, int], None] | None = None,
+    reuse_from: Path | None = None,
+) -> dict[str, Any]:
     """Run the stage into ``out_dir`` (resuming what is there); see the module docstring."""
     e = cfg.extract
     generate_dir, out_dir = Path(generate_dir), Path(out_dir)
@@ -224,7 +288,14 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     resumed_from = len(writer.done_ids)
     errors = ErrorLog(out_dir / "errors.jsonl")
     record_error = errors.record
-    counts = {"stored": 0, "reused": 0, "skipped": 0, "truncated": 0, "nonfinite": 0, "unreadable": len(unreadable)}
+    counts = {
+        "stored": 0,
+        "reused": 0,
+        "skipped": 0,
+        "truncated": 0,
+        "nonfinite": 0,
+        "unreadable": len(unreadable),
+    }
     reuse = Reuse(cfg, reuse_from)
     computed_tokens = 0
     total = gen_manifest["totals"]["samples"]
@@ -237,11 +308,18 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
     total += e.dataset_answers
 
     def examples() -> Iterator[Example]:
-        items = iter_examples(generate_dir, e.max_seq_len, e.truncation, skip=writer.done_ids,
-                              vocab_size=cfg.target.vocab_size, on_bad=lambda *_: None)
+        items = iter_examples(
+            generate_dir,
+            e.max_seq_len,
+            e.truncation,
+            skip=writer.done_ids,
+            vocab_size=cfg.target.vocab_size,
+            on_bad=lambda *_: None,
+        )
         if e.dataset_answers:
-            items = itertools.chain(items, _answer_examples(cfg, model_path, scan.ids, writer.done_ids,
-                                                            answer_stats))
+            items = itertools.chain(
+                items, _answer_examples(cfg, model_path, scan.ids, writer.done_ids, answer_stats)
+            )
         for item in items:
             if isinstance(item, tuple):
                 record_error(*item)
@@ -252,7 +330,9 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
                 yield item
                 continue
             if item.truncated_from:
-                record_error(item.id, f"truncated from {item.truncated_from} to {len(item.input_ids)} tokens")
+                record_error(
+                    item.id, f"truncated from {item.truncated_from} to {len(item.input_ids)} tokens"
+                )
                 counts["truncated"] += 1
             writer.add(old)
             counts["reused"] += 1
@@ -266,10 +346,19 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
                 counts["nonfinite"] += 1
                 continue
             if ex.truncated_from:
-                record_error(ex.id, f"truncated from {ex.truncated_from} to {len(ex.input_ids)} tokens")
+                record_error(
+                    ex.id, f"truncated from {ex.truncated_from} to {len(ex.input_ids)} tokens"
+                )
                 counts["truncated"] += 1
-            writer.add(Sample(ex.id, torch.tensor(ex.input_ids), torch.tensor(ex.loss_mask, dtype=torch.bool),
-                              aux, final))  # a full shard is written as soon as it fills: the resume unit
+            writer.add(
+                Sample(
+                    ex.id,
+                    torch.tensor(ex.input_ids),
+                    torch.tensor(ex.loss_mask, dtype=torch.bool),
+                    aux,
+                    final,
+                )
+            )  # a full shard is written as soon as it fills: the resume unit
             counts["stored"] += 1
             computed_tokens += len(ex.input_ids)
             if on_progress:
@@ -282,18 +371,38 @@ def extract(cfg: PipelineConfig, generate_dir: Path, out_dir: Path, model_path: 
             pass
         if is_disk_full(err):
             per_sample = writer.bytes_written / max(len(writer.index) - resumed_from, 1)
-            raise disk_full(out_dir, per_sample * max(total - len(writer.index), 1) if writer.bytes_written else None,
-                            "the remaining hidden states") from err
+            raise disk_full(
+                out_dir,
+                per_sample * max(total - len(writer.index), 1) if writer.bytes_written else None,
+                "the remaining hidden states",
+            ) from err
         raise
     finally:
         errors.close()
     if not writer.index:
-        raise NoResult(f"extract stored 0 samples from {generate_dir} into {out_dir}: every sample was skipped; the "
-                       f"reasons are in {out_dir / 'errors.jsonl'}. Fix the generate output, then rerun extract")
-    manifest = _manifest(cfg, generate_dir, model_path, fingerprint, writer, out_dir,
-                         {"resumed_from": resumed_from, **counts, "wall_s": round(time.time() - started, 2),
-                          **({"dataset_answers": {"rows_not_taken": dict(answer_stats)}} if e.dataset_answers else {}),
-                          "reuse": {"from": str(reuse.folder) if reuse.folder else None, "why_not": reuse.reason},
-                          "tokens_per_s": round(computed_tokens / max(time.time() - started, 1e-9), 1)})
+        raise NoResult(
+            f"extract stored 0 samples from {generate_dir} into {out_dir}: every sample was skipped; the "
+            f"reasons are in {out_dir / 'errors.jsonl'}. Fix the generate output, then rerun extract"
+        )
+    manifest = _manifest(
+        cfg,
+        generate_dir,
+        model_path,
+        fingerprint,
+        writer,
+        out_dir,
+        {
+            "resumed_from": resumed_from,
+            **counts,
+            "wall_s": round(time.time() - started, 2),
+            **(
+                {"dataset_answers": {"rows_not_taken": dict(answer_stats)}}
+                if e.dataset_answers
+                else {}
+            ),
+            "reuse": {"from": str(reuse.folder) if reuse.folder else None, "why_not": reuse.reason},
+            "tokens_per_s": round(computed_tokens / max(time.time() - started, 1e-9), 1),
+        },
+    )
     write_json_atomic(out_dir / "manifest.json", manifest)
     return manifest

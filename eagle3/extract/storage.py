@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections import deque
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     return (q.float() * scale.unsqueeze(-1)).to(dtype)
 
 
@@ -63,8 +65,10 @@ def check_shard(path: Path) -> None:
     """Raise CorruptArtifact, naming the file, unless ``path`` is a whole safetensors file: its header
     parses and its size is what the header promises. Reads the header only (a shard is GBs)."""
     path = Path(path)
-    fix = (f"delete its extract folder {path.parent} and rerun extract (or rerun with a new runs dir); "
-           "the generate output is untouched")
+    fix = (
+        f"delete its extract folder {path.parent} and rerun extract (or rerun with a new runs dir); "
+        "the generate output is untouched"
+    )
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -72,14 +76,20 @@ def check_shard(path: Path) -> None:
             if n > size:
                 raise ValueError(f"header length {n} > file size {size}")
             header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
     except FileNotFoundError:
-        raise CorruptArtifact(f"{path}: shard listed in {path.parent / 'index.json'} is missing; {fix}") from None
+        raise CorruptArtifact(
+            f"{path}: shard listed in {path.parent / 'index.json'} is missing; {fix}"
+        ) from None
     except (OSError, ValueError, struct.error, KeyError, TypeError) as e:
         raise CorruptArtifact(f"{path}: not a readable safetensors shard ({e}); {fix}") from None
     if size != 8 + n + end:
-        raise CorruptArtifact(f"{path}: truncated safetensors shard ({size} bytes, its header promises "
-                              f"{8 + n + end}); {fix}")
+        raise CorruptArtifact(
+            f"{path}: truncated safetensors shard ({size} bytes, its header promises "
+            f"{8 + n + end}); {fix}"
+        )
 
 
 class ShardWriter:
@@ -91,7 +101,9 @@ class ShardWriter:
         self.dtype = storage_dtype
         self.per_shard = samples_per_shard
         self.index_path = self.root / "index.json"
-        self.index: dict[str, list] = json.loads(self.index_path.read_text()) if self.index_path.exists() else {}
+        self.index: dict[str, list] = (
+            json.loads(self.index_path.read_text()) if self.index_path.exists() else {}
+        )
         self.shards = sorted({v[0] for v in self.index.values()})
         for shard in self.shards:  # a resume must not build on a shard that was cut short
             check_shard(self.root / shard)
@@ -119,7 +131,9 @@ class ShardWriter:
         if len(self._buf) >= self.per_shard:
             self.flush(wait=False)
 
-    def _blocks(self, name: str, xs: list[torch.Tensor], pieces: dict[str, list[torch.Tensor]]) -> None:
+    def _blocks(
+        self, name: str, xs: list[torch.Tensor], pieces: dict[str, list[torch.Tensor]]
+    ) -> None:
         """Per-sample row blocks of one stored tensor (fp8: quantised per row, with scales)."""
         if self.dtype == "float8_e4m3fn":
             qs = [quantize_fp8(x) for x in xs]
@@ -159,7 +173,9 @@ class ShardWriter:
         self._blocks("aux", [s.aux for s in buf], pieces)
         self._blocks("final", [s.final for s in buf], pieces)
         tmp = self.root / f".{name}.tmp"
-        write_safetensors_blocks(tmp, pieces, {"ids": json.dumps([s.id for s in buf]), "storage_dtype": self.dtype})
+        write_safetensors_blocks(
+            tmp, pieces, {"ids": json.dumps([s.id for s in buf]), "storage_dtype": self.dtype}
+        )
         tmp.replace(self.root / name)
         fsync_dir(self.root)
         for i, s in enumerate(buf):
@@ -170,11 +186,18 @@ class ShardWriter:
         self.bytes_written += (self.root / name).stat().st_size
 
 
-_ST_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8",
-             torch.float8_e4m3fn: "F8_E4M3"}
+_ST_DTYPE = {
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
-def write_safetensors_blocks(path: Path, pieces: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> None:
+def write_safetensors_blocks(
+    path: Path, pieces: dict[str, list[torch.Tensor]], metadata: dict[str, str]
+) -> None:
     """Write a safetensors file whose tensors are given as lists of row blocks (joined along dim 0
     on disk), without joining them in memory.
 
@@ -187,8 +210,11 @@ def write_safetensors_blocks(path: Path, pieces: dict[str, list[torch.Tensor]], 
     for key, blocks in pieces.items():
         rows = sum(b.shape[0] for b in blocks)
         nbytes = sum(b.numel() * b.element_size() for b in blocks)
-        header[key] = {"dtype": _ST_DTYPE[blocks[0].dtype], "shape": [rows, *blocks[0].shape[1:]],
-                       "data_offsets": [offset, offset + nbytes]}
+        header[key] = {
+            "dtype": _ST_DTYPE[blocks[0].dtype],
+            "shape": [rows, *blocks[0].shape[1:]],
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
@@ -213,7 +239,9 @@ class HiddenStateDataset:
         self.dtype = dtype
         index_path = self.root / "index.json"
         if not index_path.is_file():
-            raise FileNotFoundError(f"{index_path}: no extract output here (run `eagle3 extract` first)")
+            raise FileNotFoundError(
+                f"{index_path}: no extract output here (run `eagle3 extract` first)"
+            )
         index = json.loads(index_path.read_text())
         for shard in sorted({v[0] for v in index.values()}):
             check_shard(self.root / shard)
@@ -241,12 +269,23 @@ class HiddenStateDataset:
 
         def states(name: str) -> torch.Tensor:
             x = h.get_slice(name)[a:b]
-            return dequantize_fp8(x, h.get_slice(f"{name}_scale")[a:b], self.dtype) if fp8 else x.to(self.dtype)
+            return (
+                dequantize_fp8(x, h.get_slice(f"{name}_scale")[a:b], self.dtype)
+                if fp8
+                else x.to(self.dtype)
+            )
 
-        return Sample(self.ids[i], h.get_slice("input_ids")[a:b], h.get_slice("loss_mask")[a:b].bool(),
-                      states("aux"), states("final"))
+        return Sample(
+            self.ids[i],
+            h.get_slice("input_ids")[a:b],
+            h.get_slice("loss_mask")[a:b].bool(),
+            states("aux"),
+            states("final"),
+        )
 
-    def batches(self, token_budget: int, shuffle: bool = True, seed: int = 0) -> Iterator[list[int]]:
+    def batches(
+        self, token_budget: int, shuffle: bool = True, seed: int = 0
+    ) -> Iterator[list[int]]:
         """Length-bucketed batches of indices: sorted by length, cut so that
         batch_size * longest <= token_budget (padding waste stays small), batches shuffled."""
         batches = token_budget_batches([self.length(i) for i in range(len(self))], token_budget)
@@ -260,6 +299,10 @@ def iter_token_masks(root: Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     for shard in sorted(Path(root).glob("hidden-*.safetensors")):
         check_shard(shard)
         with safe_open(str(shard), framework="pt") as h:
-            ids, mask, offsets = h.get_tensor("input_ids"), h.get_tensor("loss_mask"), h.get_tensor("offsets")
+            ids, mask, offsets = (
+                h.get_tensor("input_ids"),
+                h.get_tensor("loss_mask"),
+                h.get_tensor("offsets"),
+            )
         for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
             yield ids[a:b], mask[a:b]

@@ -45,7 +45,9 @@ def speculative_config(layer_ids: list[int]) -> dict[str, Any]:
     return {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,  # the only value the extract proposer accepts
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(set(layer_ids))}},
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(set(layer_ids))}
+        },
     }
 
 
@@ -75,7 +77,8 @@ def extract_server_config(cfg: PipelineConfig, storage_dir: Path) -> PipelineCon
             "serve.backend process or systemd on the machine with the GPUs"
         )
     extra = list(s.extra_args) + [
-        "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir), separators=(",", ":")),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(storage_dir), separators=(",", ":")),
         "--no-enable-prefix-caching",
     ]
     inherited = s.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
@@ -86,8 +89,13 @@ def extract_server_config(cfg: PipelineConfig, storage_dir: Path) -> PipelineCon
     return cfg.model_copy(update={"serve": s.model_copy(update=update)})
 
 
-async def _request(client: httpx.AsyncClient, server: Server, sample_id: str, token_ids: list[int],
-                   file_timeout_s: float) -> Path:
+async def _request(
+    client: httpx.AsyncClient,
+    server: Server,
+    sample_id: str,
+    token_ids: list[int],
+    file_timeout_s: float,
+) -> Path:
     """Send one exact-token prompt; return the path of the finished hidden-states file."""
     body = {"model": server.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0}
     r = await client.post(f"{server.base_url}/v1/completions", json=body)
@@ -95,14 +103,20 @@ async def _request(client: httpx.AsyncClient, server: Server, sample_id: str, to
         raise ExtractError(f"sample {sample_id}: server answered {r.status_code}: {r.text[:500]}")
     params = r.json().get("kv_transfer_params") or {}
     if "hidden_states_path" not in params:
-        raise ExtractError(f"sample {sample_id}: no kv_transfer_params.hidden_states_path in the response "
-                           "(is the connector configured?)")
+        raise ExtractError(
+            f"sample {sample_id}: no kv_transfer_params.hidden_states_path in the response "
+            "(is the connector configured?)"
+        )
     path = Path(params["hidden_states_path"])
     deadline = time.monotonic() + file_timeout_s
     delay = 0.005
-    while not path.exists():  # the connector writes after the response is sent, then renames atomically
+    while (
+        not path.exists()
+    ):  # the connector writes after the response is sent, then renames atomically
         if time.monotonic() > deadline:
-            raise ExtractError(f"sample {sample_id}: {path} did not appear within {file_timeout_s} s")
+            raise ExtractError(
+                f"sample {sample_id}: {path} did not appear within {file_timeout_s} s"
+            )
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.2)
     return path
@@ -114,11 +128,15 @@ def read_hidden(path: Path, sample_id: str, token_ids: list[int], pick: list[int
     path.unlink()
     got = data["token_ids"].tolist()
     if got != list(token_ids):
-        raise ExtractError(f"sample {sample_id}: the server saw {len(got)} tokens that differ from the "
-                           f"{len(token_ids)} sent")
+        raise ExtractError(
+            f"sample {sample_id}: the server saw {len(got)} tokens that differ from the "
+            f"{len(token_ids)} sent"
+        )
     hidden = data["hidden_states"]
     if hidden.shape[0] != len(token_ids) or hidden.shape[1] < max(pick) + 1:
-        raise ExtractError(f"sample {sample_id}: hidden_states {tuple(hidden.shape)} for {len(token_ids)} tokens")
+        raise ExtractError(
+            f"sample {sample_id}: hidden_states {tuple(hidden.shape)} for {len(token_ids)} tokens"
+        )
     return hidden[:, pick].float()
 
 
@@ -147,8 +165,12 @@ def extract_vllm(
     storage = work_dir / "vllm-hidden"
     storage.mkdir(parents=True, exist_ok=True)
     release_gpus(cfg, "extract")  # a production unit would hold the GPUs this server needs
-    server = start_server(extract_server_config(cfg, storage), model, log_dir=work_dir / "serve",
-                          speculative_config=speculative_config(captured))
+    server = start_server(
+        extract_server_config(cfg, storage),
+        model,
+        log_dir=work_dir / "serve",
+        speculative_config=speculative_config(captured),
+    )
     loop = asyncio.new_event_loop()
     client = httpx.AsyncClient(
         headers=auth_headers(server.api_key),
@@ -166,11 +188,15 @@ def extract_vllm(
                 except StopIteration:
                     exhausted = True
                     break
-                task = loop.create_task(_request(client, server, sample_id, list(token_ids), file_timeout_s))
+                task = loop.create_task(
+                    _request(client, server, sample_id, list(token_ids), file_timeout_s)
+                )
                 pending[task] = (sample_id, list(token_ids))
             if not pending:
                 break
-            done, _ = loop.run_until_complete(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+            done, _ = loop.run_until_complete(
+                asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            )
             for task in done:
                 sample_id, token_ids = pending.pop(task)
                 yield sample_id, read_hidden(task.result(), sample_id, token_ids, pick)

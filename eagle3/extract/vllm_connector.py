@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
-
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -96,7 +95,9 @@ def gather_blocks(cache: torch.Tensor, block_ids: list[int], num_tokens: int) ->
     """
     block_size = cache.shape[2]
     blocks = torch.tensor(block_ids, dtype=torch.long)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[:num_tokens]
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[
+        :num_tokens
+    ]
     slots = slots.to(cache.device)
     return cache[slots // block_size, :, slots % block_size]
 
@@ -115,13 +116,19 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     ``kv_connector_extra_config = {"shared_storage_path": DIR}`` (optional ``num_writer_threads``).
     """
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         spec = vllm_config.speculative_config
         if spec is None or spec.method != "extract_hidden_states":
-            raise ValueError("Eagle3HiddenStatesConnector needs speculative_config.method='extract_hidden_states'")
+            raise ValueError(
+                "Eagle3HiddenStatesConnector needs speculative_config.method='extract_hidden_states'"
+            )
         self._group_id = self._hidden_state_group(kv_cache_config)
-        self._storage_path = str(self._kv_transfer_config.get_from_extra_config("shared_storage_path", "/tmp"))
+        self._storage_path = str(
+            self._kv_transfer_config.get_from_extra_config("shared_storage_path", "/tmp")
+        )
         os.makedirs(self._storage_path, exist_ok=True)
         # scheduler side
         self._pending: dict[str, PendingSave] = {}
@@ -132,11 +139,15 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._saved: set[str] = set()  # copied to host, not yet reported
         self._writes: dict[str, Future] = {}
         threads = int(self._kv_transfer_config.get_from_extra_config("num_writer_threads", 4))
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eagle3-hs-write")
-        logger.info("Eagle3HiddenStatesConnector (%s): writing to %s", role.name, self._storage_path)
+        self._executor = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="eagle3-hs-write"
+        )
+        logger.info(
+            "Eagle3HiddenStatesConnector (%s): writing to %s", role.name, self._storage_path
+        )
 
     @staticmethod
-    def _hidden_state_group(kv_cache_config: "KVCacheConfig | None") -> int:
+    def _hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
         """Index of the KV cache group holding the hidden-states buffer (the target's layers are another)."""
         if kv_cache_config is None:
             return 0
@@ -148,7 +159,9 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             return ids[0]
         if not ids and len(groups) == 1:
             return 0
-        raise ValueError(f"cannot identify the hidden-states KV cache group among {len(groups)} groups")
+        raise ValueError(
+            f"cannot identify the hidden-states KV cache group among {len(groups)} groups"
+        )
 
     def get_finished_count(self) -> int:
         """Only TP rank 0 writes, so one ``finished_sending`` per request (the default waits for all ranks)."""
@@ -160,14 +173,22 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
         self._is_writer = get_tensor_model_parallel_rank() == 0
-        layers = get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
+        layers = get_layers_from_vllm_config(
+            self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)
+        )
         if len(layers) != 1:
             raise ValueError(f"expected one CacheOnlyAttentionLayer, found {list(layers)}")
         self._cache = kv_caches[next(iter(layers))]
         if self._cache.dim() != 4:
-            raise ValueError(f"hidden-states buffer has shape {tuple(self._cache.shape)}, expected 4 dims")
-        logger.info("hidden-states buffer %s %s on %s", tuple(self._cache.shape), self._cache.dtype,
-                    self._cache.device)
+            raise ValueError(
+                f"hidden-states buffer has shape {tuple(self._cache.shape)}, expected 4 dims"
+            )
+        logger.info(
+            "hidden-states buffer %s %s on %s",
+            tuple(self._cache.shape),
+            self._cache.dtype,
+            self._cache.device,
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass  # store-only
@@ -175,8 +196,13 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # store-only
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
         pass  # the CacheOnlyAttentionLayer already wrote the buffer; we read it when the request finishes
 
     def wait_for_save(self) -> None:
@@ -185,9 +211,13 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def _save(self, pending: PendingSave) -> None:
         """Copy the request's rows to host memory now (blocks are freed once we report), write later."""
         assert self._cache is not None, "register_kv_caches was not called"
-        with gpu_sync_allowed():  # a deliberate device->host sync (only policed with VLLM_GPU_SYNC_CHECK)
+        with (
+            gpu_sync_allowed()
+        ):  # a deliberate device->host sync (only policed with VLLM_GPU_SYNC_CHECK)
             hidden = gather_blocks(self._cache, pending.block_ids, int(pending.token_ids.shape[0]))
-            hidden = hidden.to("cpu").contiguous()  # synchronous: the blocks are reused once we report
+            hidden = hidden.to(
+                "cpu"
+            ).contiguous()  # synchronous: the blocks are reused once we report
         tensors = {"hidden_states": hidden, "token_ids": pending.token_ids.clone()}
         future = self._executor.submit(write_atomic, tensors, pending.filename)
         self._writes[pending.req_id] = future
@@ -217,10 +247,14 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------- scheduler side ----------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return 0, False  # never loads
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         pass
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -230,7 +264,9 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending.clear()
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks until the worker copied them; tell the client where the file will be."""
         req_id = request.request_id
         if req_id not in self._scheduled:
@@ -244,8 +280,9 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending[req_id] = PendingSave(req_id, filename, token_ids, list(block_ids))
         return True, {"hidden_states_path": filename}
 
-    def request_finished_all_groups(self, request: "Request",
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if not 0 <= self._group_id < len(block_ids):
             return False, None
         return self.request_finished(request, block_ids[self._group_id])

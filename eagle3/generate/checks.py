@@ -15,7 +15,9 @@ import httpx
 from eagle3.errors import EndpointError, TokenIdMismatch
 from eagle3.serving.readiness import FATAL_PROBE_STATUS, auth_headers
 
-TOKEN_CHECK_FIRST = 8  # the first prompts of every run whose ids are checked against the local template
+TOKEN_CHECK_FIRST = (
+    8  # the first prompts of every run whose ids are checked against the local template
+)
 TOKEN_CHECK_EVERY = 500  # and one in this many after them
 
 
@@ -30,16 +32,24 @@ async def check_endpoints(urls: list[str], model: str, api_key: str | None) -> N
             except httpx.HTTPError:
                 continue
             if r.status_code in FATAL_PROBE_STATUS:
-                raise EndpointError(f"{url}/v1/models answered {r.status_code}: check the URL (serve.base_url / "
-                                    "--base-url / generate.endpoints: the server's root, with or without /v1) and "
-                                    "serve.api_key, then rerun")
+                raise EndpointError(
+                    f"{url}/v1/models answered {r.status_code}: check the URL (serve.base_url / "
+                    "--base-url / generate.endpoints: the server's root, with or without /v1) and "
+                    "serve.api_key, then rerun"
+                )
             try:
-                served = [d.get("id") for d in r.json().get("data", [])] if r.status_code == 200 else None
+                served = (
+                    [d.get("id") for d in r.json().get("data", [])]
+                    if r.status_code == 200
+                    else None
+                )
             except (ValueError, AttributeError):
                 served = None
             if served is not None and model not in served:
-                raise EndpointError(f"{url}/v1/models does not list {model!r} (it serves {served}): set "
-                                    "target.served_model_name to the served name, then rerun")
+                raise EndpointError(
+                    f"{url}/v1/models does not list {model!r} (it serves {served}): set "
+                    "target.served_model_name to the served name, then rerun"
+                )
 
 
 class TokenCheck:
@@ -48,7 +58,9 @@ class TokenCheck:
     Why: a server or proxy that returns other ids (another tokenizer, a stub, a template change)
     would otherwise be stored as training data and extracted without complaint (issue #16)."""
 
-    def __init__(self, tokenizer: Any | None, chat_template_kwargs: dict[str, Any] | None, source: str | None):
+    def __init__(
+        self, tokenizer: Any | None, chat_template_kwargs: dict[str, Any] | None, source: str | None
+    ):
         self.tok, self.kwargs, self.source = tokenizer, chat_template_kwargs, source
         self.seen = 0
         self.checked = 0
@@ -64,10 +76,13 @@ class TokenCheck:
         mine = template_prompt_ids(self.tok, record["messages"], self.kwargs)
         self.checked += 1
         if mine != record["prompt_token_ids"]:
-            at = next((i for i, (a, b) in enumerate(zip(mine, record["prompt_token_ids"])) if a != b),
-                      min(len(mine), len(record["prompt_token_ids"])))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(mine, record["prompt_token_ids"])) if a != b),
+                min(len(mine), len(record["prompt_token_ids"])),
+            )
             raise TokenIdMismatch(
                 f"the server's prompt token ids for sample {record['id']} ({len(record['prompt_token_ids'])} ids) "
                 f"differ from the local tokenizer {self.source} + chat template ({len(mine)} ids) at position {at}: "
                 "extract and train would read them with the wrong meaning. Serve the target's own tokenizer, or "
-                "point target.tokenizer at the served model's; nothing of this sample was stored")
+                "point target.tokenizer at the served model's; nothing of this sample was stored"
+            )

@@ -86,19 +86,33 @@ class EndpointPool:
             await e.client.close()
 
 
-def make_pool(base_urls: list[str], *, api_key: str | None, timeout_s: float, connect_timeout_s: float,
-              max_connections: int, strategy: str = "least_loaded") -> EndpointPool:
+def make_pool(
+    base_urls: list[str],
+    *,
+    api_key: str | None,
+    timeout_s: float,
+    connect_timeout_s: float,
+    max_connections: int,
+    strategy: str = "least_loaded",
+) -> EndpointPool:
     endpoints = []
     for url in base_urls:
         # aiohttp transport: httpx's own async transport tops out near 300 req/s on one core here,
         # aiohttp gives the client >1000 req/s (bench/generate_throughput.py).
         http = DefaultAioHttpClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
         )
         url = root_url(url)
-        client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "EMPTY", max_retries=0,
-                             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), http_client=http)
+        client = AsyncOpenAI(
+            base_url=f"{url}/v1",
+            api_key=api_key or "EMPTY",
+            max_retries=0,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            http_client=http,
+        )
         endpoints.append(Endpoint(url, client))
     return EndpointPool(endpoints, strategy)
 
@@ -106,7 +120,11 @@ def make_pool(base_urls: list[str], *, api_key: str | None, timeout_s: float, co
 def _error_text(e: openai.APIStatusError) -> str:
     try:
         body = e.response.json()
-        msg = body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else body.get("message")
+        msg = (
+            body.get("error", {}).get("message")
+            if isinstance(body.get("error"), dict)
+            else body.get("message")
+        )
         return str(msg or body)[:500]
     except ValueError:
         return e.response.text[:500]
@@ -137,11 +155,15 @@ async def chat_request(
             try:
                 body = json.loads(raw.content)
             except ValueError as e:
-                raise BadResponse(f"{ep.base_url}/v1/chat/completions answered {raw.status_code} with a body that is "
-                                  f"not JSON ({e}): {raw.content[:120]!r}") from None
+                raise BadResponse(
+                    f"{ep.base_url}/v1/chat/completions answered {raw.status_code} with a body that is "
+                    f"not JSON ({e}): {raw.content[:120]!r}"
+                ) from None
             if not isinstance(body, dict):
-                raise BadResponse(f"{ep.base_url}/v1/chat/completions answered a JSON {type(body).__name__}, "
-                                  "not an object")
+                raise BadResponse(
+                    f"{ep.base_url}/v1/chat/completions answered a JSON {type(body).__name__}, "
+                    "not an object"
+                )
             return body, ep.base_url, attempt + 1, time.perf_counter() - t0
         except openai.APIStatusError as e:
             if e.status_code in SETUP_STATUS:

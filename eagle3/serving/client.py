@@ -48,13 +48,18 @@ async def achat(
     extra_body: dict[str, Any] | None = None,
 ) -> ChatResult:
     client = AsyncOpenAI(
-        base_url=f"{base_url}/v1", api_key=api_key or "EMPTY",
-        timeout=httpx.Timeout(timeout_s, connect=30.0), max_retries=0,
+        base_url=f"{base_url}/v1",
+        api_key=api_key or "EMPTY",
+        timeout=httpx.Timeout(timeout_s, connect=30.0),
+        max_retries=0,
     )
     t0 = time.perf_counter()
     try:
         resp = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens, temperature=temperature,
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
             extra_body={"return_token_ids": True, **(extra_body or {})},
         )
     finally:

@@ -34,10 +34,14 @@ def vllm_command(
     else:
         argv = [serve.vllm_bin, "serve", model]
     argv += [
-        "--served-model-name", served_model_name,
-        "--host", serve.host,
-        "--port", str(serve.port if port is None else port),
-        "--dtype", serve.dtype,
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        serve.host,
+        "--port",
+        str(serve.port if port is None else port),
+        "--dtype",
+        serve.dtype,
     ]
     if serve.max_model_len:
         argv += ["--max-model-len", str(serve.max_model_len)]

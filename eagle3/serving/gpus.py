@@ -40,8 +40,10 @@ def release_gpus(cfg: Any, stage: str, log: Callable[[str], None] = print) -> bo
             f"before this run, so the pipeline leaves it alone). Stop it first (sudo systemctl stop {s.unit}), "
             f"or set serve.stop_running_unit=true to let the run stop it and start it again at the end."
         )
-    log(f"{stage}: stopping systemd unit {s.unit} to free the GPUs (serve.stop_running_unit); "
-        "it is started again when the run ends")
+    log(
+        f"{stage}: stopping systemd unit {s.unit} to free the GPUs (serve.stop_running_unit); "
+        "it is started again when the run ends"
+    )
     _run(["systemctl", "stop", s.unit], check=True)
     return True
 
@@ -54,7 +56,12 @@ def units_restored(cfg: Any, log: Callable[[str], None] = print) -> Iterator[Non
     Runs on failure too (``finally``). ``systemctl start`` returns once the unit is started, not once
     the model is loaded."""
     s = cfg.serve
-    if s.backend != "systemd" or not s.unit or not s.stop_running_unit or os.environ.get("RANK", "0") != "0":
+    if (
+        s.backend != "systemd"
+        or not s.unit
+        or not s.stop_running_unit
+        or os.environ.get("RANK", "0") != "0"
+    ):
         yield  # (under torchrun only rank 0 looks after the unit)
         return
     was_running = active_state(s.unit) in RUNNING_STATES

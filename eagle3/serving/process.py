@@ -14,9 +14,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
-import sys
 import signal
 import subprocess
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -52,7 +52,7 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
-_live: "weakref.WeakSet[ChildProcess]" = weakref.WeakSet()
+_live: weakref.WeakSet[ChildProcess] = weakref.WeakSet()
 PR_SET_PDEATHSIG = 1
 # Resolved here, not in the child: between fork and exec only this call may run (no imports, no locks).
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None

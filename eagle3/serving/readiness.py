@@ -59,12 +59,20 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 def _fatal(url: str, status: int) -> EndpointError:
-    what = "the key (serve.api_key)" if status in (401, 403) else "the URL (serve.base_url / --base-url: the server's root)"
-    return EndpointError(f"{url} answered {status}: this is not a vLLM server's route or the key is wrong; check "
-                         f"{what} and rerun")
+    what = (
+        "the key (serve.api_key)"
+        if status in (401, 403)
+        else "the URL (serve.base_url / --base-url: the server's root)"
+    )
+    return EndpointError(
+        f"{url} answered {status}: this is not a vLLM server's route or the key is wrong; check "
+        f"{what} and rerun"
+    )
 
 
-def probe(base_url: str, model: str | None, api_key: str | None = None, timeout: float = 5.0) -> str | None:
+def probe(
+    base_url: str, model: str | None, api_key: str | None = None, timeout: float = 5.0
+) -> str | None:
     """None if ready, else a short reason (for the timeout message). Raises EndpointError on a
     404/401/403, which waiting cannot fix (a wrong path used to wait out the whole ready timeout)."""
     base_url = root_url(base_url)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eagle3.config import PipelineConfig
 from eagle3.serving.command import format_command, vllm_command
@@ -47,7 +48,7 @@ class Server:
             stop, self._stop = self._stop, None
             stop()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -117,10 +118,16 @@ def start_server(
     if s.backend == "external":
         base_url = root_url(s.base_url)
         ready = wait_until_ready(
-            base_url, name, timeout_s=timeout, poll_interval_s=s.poll_interval_s,
-            check_alive=lambda: None, api_key=s.api_key,
+            base_url,
+            name,
+            timeout_s=timeout,
+            poll_interval_s=s.poll_interval_s,
+            check_alive=lambda: None,
+            api_key=s.api_key,
         )
-        return Server(base_url, name, "external", started_here=False, ready_s=ready, api_key=s.api_key)
+        return Server(
+            base_url, name, "external", started_here=False, ready_s=ready, api_key=s.api_key
+        )
 
     if s.backend == "systemd":
         unit = SystemdUnit(s.unit)
@@ -128,21 +135,40 @@ def start_server(
         unit.start()
         try:
             ready = wait_until_ready(
-                base_url, name, timeout_s=timeout, poll_interval_s=s.poll_interval_s,
-                check_alive=unit.check_alive, api_key=s.api_key,
+                base_url,
+                name,
+                timeout_s=timeout,
+                poll_interval_s=s.poll_interval_s,
+                check_alive=unit.check_alive,
+                api_key=s.api_key,
             )
         except BaseException:
             unit.stop()
             raise
-        return Server(base_url, name, "systemd", started_here=unit.started_here, ready_s=ready,
-                      api_key=s.api_key, _stop=unit.stop)
+        return Server(
+            base_url,
+            name,
+            "systemd",
+            started_here=unit.started_here,
+            ready_s=ready,
+            api_key=s.api_key,
+            _stop=unit.stop,
+        )
 
     check_model_path(model)
     port = s.port or free_port(s.host)
     if not port_is_free(s.host, port):
-        raise PortInUseError(f"port {port} on {s.host} is already in use: stop what holds it or set serve.port")
-    argv = vllm_command(s, model, name, port=port, trust_remote_code=cfg.target.trust_remote_code,
-                        speculative_config=speculative_config)
+        raise PortInUseError(
+            f"port {port} on {s.host} is already in use: stop what holds it or set serve.port"
+        )
+    argv = vllm_command(
+        s,
+        model,
+        name,
+        port=port,
+        trust_remote_code=cfg.target.trust_remote_code,
+        speculative_config=speculative_config,
+    )
     if s.entrypoint == "module":
         check_executable(argv[0])
     env = dict(s.env)
@@ -156,12 +182,26 @@ def start_server(
     base_url = f"http://{s.host}:{port}"
     try:
         ready = wait_until_ready(
-            base_url, name, timeout_s=timeout, poll_interval_s=s.poll_interval_s,
-            check_alive=child.check_alive, api_key=s.api_key,
+            base_url,
+            name,
+            timeout_s=timeout,
+            poll_interval_s=s.poll_interval_s,
+            check_alive=child.check_alive,
+            api_key=s.api_key,
             describe=lambda: f"\n--- last lines of {log_path} ---\n{tail(log_path)}",
         )
     except BaseException:
         child.stop(timeout_s=s.stop_timeout_s)
         raise
-    return Server(base_url, name, "process", started_here=True, ready_s=ready, argv=argv, log_path=log_path,
-                  pid=child.pid, api_key=s.api_key, _stop=lambda: child.stop(timeout_s=s.stop_timeout_s))
+    return Server(
+        base_url,
+        name,
+        "process",
+        started_here=True,
+        ready_s=ready,
+        argv=argv,
+        log_path=log_path,
+        pid=child.pid,
+        api_key=s.api_key,
+        _stop=lambda: child.stop(timeout_s=s.stop_timeout_s),
+    )

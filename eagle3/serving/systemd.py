@@ -20,9 +20,13 @@ def _run(argv: list[str], check: bool = False) -> subprocess.CompletedProcess[st
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=check)
     except FileNotFoundError:
-        raise ServerError(f"{argv[0]} not found: the systemd backend needs systemd on this machine") from None
+        raise ServerError(
+            f"{argv[0]} not found: the systemd backend needs systemd on this machine"
+        ) from None
     except subprocess.CalledProcessError as e:
-        raise ServerError(f"{' '.join(argv)} failed ({e.returncode}): {e.stderr.strip() or e.stdout.strip()}") from None
+        raise ServerError(
+            f"{' '.join(argv)} failed ({e.returncode}): {e.stderr.strip() or e.stdout.strip()}"
+        ) from None
 
 
 def active_state(unit: str) -> str:
@@ -57,7 +61,9 @@ class SystemdUnit:
         state = active_state(self.unit)
         n = restarts(self.unit)
         if state not in RUNNING_STATES or n > self._restarts_at_start:
-            why = f"state {state!r}" + (f", restarted {n - self._restarts_at_start}x" if n > self._restarts_at_start else "")
+            why = f"state {state!r}" + (
+                f", restarted {n - self._restarts_at_start}x" if n > self._restarts_at_start else ""
+            )
             raise ServerDiedError(
                 f"systemd unit {self.unit} died before it was ready ({why}).\n"
                 f"--- journalctl -u {self.unit} -n 50 ---\n{journal(self.unit)}"

@@ -15,12 +15,30 @@ Read in this order:
   it is run as ``python -m eagle3.train.launch``).
 """
 
-from eagle3.train.batch import Batch, add_feature_noise, make_batch, shift_left, step_inputs, zero_weight
+from eagle3.train.batch import (
+    Batch,
+    add_feature_noise,
+    make_batch,
+    shift_left,
+    step_inputs,
+    zero_weight,
+)
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
-from eagle3.train.loop import MAX_CONSECUTIVE_NAN, MIN_FINITE_FRACTION, TrainingDiverged, check_finite, train
+from eagle3.train.loop import (
+    MAX_CONSECUTIVE_NAN,
+    MIN_FINITE_FRACTION,
+    TrainingDiverged,
+    check_finite,
+    train,
+)
 from eagle3.train.step import StepResult, lr_at, make_optimizer, train_step
-from eagle3.train.target import TargetHead, init_head_from_target, load_target_head, target_distribution
+from eagle3.train.target import (
+    TargetHead,
+    init_head_from_target,
+    load_target_head,
+    target_distribution,
+)
 from eagle3.train.ttt import TTTObjective, step_counts, ttt_loss, ttt_mask, ttt_unroll
 
 __all__ = [

@@ -20,7 +20,9 @@ class Batch:
     target_ok: torch.Tensor  # [B, L] bool: the target at u is counted (u+1 < len, m[u+1], in vocab)
 
 
-def make_batch(samples: list, head: TargetHead, device: torch.device, max_seq_len: int, chunk: int = 256) -> Batch:
+def make_batch(
+    samples: list, head: TargetHead, device: torch.device, max_seq_len: int, chunk: int = 256
+) -> Batch:
     """Pad samples (right) to the longest; target distributions computed per sample, chunked."""
     samples = [s for s in samples]
     lens = [min(len(s), max_seq_len) for s in samples]
@@ -63,8 +65,14 @@ def shift_left(x: torch.Tensor, k: int, fill: Any = 0) -> torch.Tensor:
     return y
 
 
-def step_inputs(batch: Batch, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def step_inputs(
+    batch: Batch, i: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input ids x_{t+1+i}, target probs P(f_{t+1+i}), target argmax, counted mask) of TTT step i."""
     k = 1 + i
-    return (shift_left(batch.input_ids, k), shift_left(batch.probs, k), shift_left(batch.target_arg, k, -1),
-            shift_left(batch.target_ok, k, False))
+    return (
+        shift_left(batch.input_ids, k),
+        shift_left(batch.probs, k),
+        shift_left(batch.target_arg, k, -1),
+        shift_left(batch.target_ok, k, False),
+    )

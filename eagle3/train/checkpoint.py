@@ -38,7 +38,9 @@ class TrainState:
     history: list[dict] = field(default_factory=list)  # per finished epoch metrics
 
 
-def _optimizer_to_flat(opt: torch.optim.Optimizer, keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optimizer_to_flat(
+    opt: torch.optim.Optimizer, keep: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``state.<param index>.<key>`` tensors (whole, gathered from FSDP shards) + param groups."""
     sd = opt.state_dict()
     tensors = {}
@@ -50,7 +52,9 @@ def _optimizer_to_flat(opt: torch.optim.Optimizer, keep: bool = True) -> tuple[d
     return tensors, {"param_groups": sd["param_groups"]}
 
 
-def _optimizer_from_flat(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def _optimizer_from_flat(
+    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]  # the indices of opt.state_dict()
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, v in tensors.items():
@@ -88,8 +92,16 @@ def trainable_full(model: DraftModel, keep: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(ckpt_dir: Path, model: DraftModel, opt: torch.optim.Optimizer, state: TrainState,
-                    extra: dict[str, Any], *, write: bool = True, sharded: bool = False) -> Path:
+def save_checkpoint(
+    ckpt_dir: Path,
+    model: DraftModel,
+    opt: torch.optim.Optimizer,
+    state: TrainState,
+    extra: dict[str, Any],
+    *,
+    write: bool = True,
+    sharded: bool = False,
+) -> Path:
     """Atomically (tmp folder + rename) replace ``ckpt_dir`` with the current state.
 
     Distributed: called on every rank; only ``write`` (rank 0) writes. With ``sharded`` (FSDP)
@@ -109,8 +121,11 @@ def save_checkpoint(ckpt_dir: Path, model: DraftModel, opt: torch.optim.Optimize
     save_file(opt_t, str(tmp / "optimizer.safetensors"))
     rng_t, py_rng = _rng_state()
     save_file(rng_t, str(tmp / "rng.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({"state": asdict(state), "optimizer": opt_meta,
-                                                "python_rng": py_rng, **extra}, indent=1))
+    (tmp / "state.json").write_text(
+        json.dumps(
+            {"state": asdict(state), "optimizer": opt_meta, "python_rng": py_rng, **extra}, indent=1
+        )
+    )
     old = ckpt_dir.with_name(ckpt_dir.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if ckpt_dir.exists():
@@ -120,7 +135,9 @@ def save_checkpoint(ckpt_dir: Path, model: DraftModel, opt: torch.optim.Optimize
     return ckpt_dir
 
 
-def load_checkpoint(ckpt_dir: Path, model: DraftModel, opt: torch.optim.Optimizer) -> tuple[TrainState, dict]:
+def load_checkpoint(
+    ckpt_dir: Path, model: DraftModel, opt: torch.optim.Optimizer
+) -> tuple[TrainState, dict]:
     """Every rank reads the whole files; FSDP ranks keep their shards (:func:`shard_like`)."""
     ckpt_dir = Path(ckpt_dir)
     meta = json.loads((ckpt_dir / "state.json").read_text())
@@ -131,8 +148,13 @@ def load_checkpoint(ckpt_dir: Path, model: DraftModel, opt: torch.optim.Optimize
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:
-        raise ValueError(f"{ckpt_dir}: checkpoint does not fit the draft: missing {missing}, unexpected {unexpected}")
-    _optimizer_from_flat(opt, load_file(str(ckpt_dir / "optimizer.safetensors"), device=str(device)),
-                         meta["optimizer"])
+        raise ValueError(
+            f"{ckpt_dir}: checkpoint does not fit the draft: missing {missing}, unexpected {unexpected}"
+        )
+    _optimizer_from_flat(
+        opt,
+        load_file(str(ckpt_dir / "optimizer.safetensors"), device=str(device)),
+        meta["optimizer"],
+    )
     _set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), meta["python_rng"])
     return TrainState(**meta["state"]), meta

@@ -52,7 +52,9 @@ def init_distributed(mode: str, device: str | None = None) -> tuple[Dist, torch.
     one-rank DDP/FSDP run (the same wrapping, e.g. as the 1-GPU baseline of a scaling
     measurement). A process group someone else initialised (a launcher script, a test) is used
     and left alone."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun
+    launched = (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+    )  # torchrun
     if not launched and not (dist.is_available() and dist.is_initialized()):
         return Dist(), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -69,7 +71,9 @@ def init_distributed(mode: str, device: str | None = None) -> tuple[Dist, torch.
     return Dist(dist.get_rank(), dist.get_world_size(), mode, owns), dev
 
 
-def wrap_for_training(draft: DraftModel, d: Dist, dev: torch.device, ttt_steps: int, ttt_decay: float) -> nn.Module:
+def wrap_for_training(
+    draft: DraftModel, d: Dist, dev: torch.device, ttt_steps: int, ttt_decay: float
+) -> nn.Module:
     """:class:`TTTObjective` around the draft, under DDP or FSDP unless ``d.mode == "single"``.
 
     Frozen parameters (the target's embedding) take no part in either: DDP is told to ignore
@@ -87,16 +91,24 @@ def wrap_for_training(draft: DraftModel, d: Dist, dev: torch.device, ttt_steps: 
     if d.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ignore = [n for n, p in net.named_parameters() if not p.requires_grad] + [n for n, _ in net.named_buffers()]
+        ignore = [n for n, p in net.named_parameters() if not p.requires_grad] + [
+            n for n, _ in net.named_buffers()
+        ]
         DDP._set_params_and_buffers_to_ignore_for_model(net, ignore)
         # gradients as views into DDP's buckets: no second fp32 copy of them (3.8 GB for Kimi)
-        return DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
+        return DDP(
+            net,
+            device_ids=[dev.index] if dev.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
     if d.mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(dev.type, (d.world,))
-        fully_shard(net, mesh=mesh, ignored_params={p for p in net.parameters() if not p.requires_grad})
+        fully_shard(
+            net, mesh=mesh, ignored_params={p for p in net.parameters() if not p.requires_grad}
+        )
         return net
     raise ValueError(f"train.distributed must be ddp or fsdp, got {d.mode!r}")
 
@@ -133,5 +145,7 @@ def shard_like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``full`` laid out like ``ref``: this rank's shard if ``ref`` is sharded (every rank holds
     the whole tensor, read from the checkpoint, so no communication)."""
     if isinstance(ref, DTensor):
-        return distribute_tensor(full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
+        return distribute_tensor(
+            full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None
+        )
     return full

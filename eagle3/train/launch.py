@@ -25,26 +25,48 @@ class LaunchFailed(RuntimeError):
     """torchrun exited non-zero; the message carries the end of its log."""
 
 
-def torchrun_train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_dir: Path,
-                   nproc: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+def torchrun_train(
+    cfg: Any,
+    extract_dir: Path,
+    vocab_path: Path,
+    target_dir: Path,
+    out_dir: Path,
+    nproc: int,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     release_gpus(cfg, "train", log=log)  # before the ranks start (eagle3.serving.gpus)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = out_dir / "launch-config.json"
     write_json_atomic(cfg_path, cfg.model_dump(mode="json"))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "eagle3.train.launch",
-            str(cfg_path), str(extract_dir), str(vocab_path), str(target_dir), str(out_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "eagle3.train.launch",
+        str(cfg_path),
+        str(extract_dir),
+        str(vocab_path),
+        str(target_dir),
+        str(out_dir),
+    ]
     log_path = out_dir / "torchrun.log"
     log(f"train: {' '.join(argv[2:6])} ... (log {log_path})")
     with open(log_path, "ab") as f:
         rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-30:]
-        raise LaunchFailed(f"torchrun ({nproc} ranks) exited {rc}; last lines of {log_path}:\n" + "\n".join(tail))
+        raise LaunchFailed(
+            f"torchrun ({nproc} ranks) exited {rc}; last lines of {log_path}:\n" + "\n".join(tail)
+        )
     m = json.loads((out_dir / "manifest.json").read_text())
     if not m.get("complete"):
-        raise LaunchFailed(f"{out_dir}: torchrun finished but the manifest says the run is incomplete")
+        raise LaunchFailed(
+            f"{out_dir}: torchrun finished but the manifest says the run is incomplete"
+        )
     return m
 
 
@@ -60,7 +82,14 @@ def main(argv: list[str] | None = None) -> None:
         if p["step"] % 10 == 0 or p["step"] == p["total_steps"]:
             print(f"step {p['step']}/{p['total_steps']} loss {p['loss']}", flush=True)
 
-    train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress=progress)
+    train(
+        cfg,
+        Path(extract_dir),
+        Path(vocab_path),
+        Path(target_dir),
+        Path(out_dir),
+        on_progress=progress,
+    )
 
 
 if __name__ == "__main__":

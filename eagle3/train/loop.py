@@ -73,8 +73,18 @@ def train(
     target_dir = checkpoint_dir(target_dir)  # a hub id: its snapshot in the local cache
     d, dev = init_distributed(cfg.train.distributed, device)
     try:
-        return _train(cfg, Path(extract_dir), Path(vocab_path), Path(target_dir), Path(out_dir), on_progress,
-                      max_steps, resume, d, dev)
+        return _train(
+            cfg,
+            Path(extract_dir),
+            Path(vocab_path),
+            Path(target_dir),
+            Path(out_dir),
+            on_progress,
+            max_steps,
+            resume,
+            d,
+            dev,
+        )
     finally:
         if d.owns_group:
             dist.destroy_process_group()
@@ -101,13 +111,29 @@ class Run:
     extra: dict[str, Any]  # what state.json carries besides the state
 
     def save(self, state: TrainState) -> None:
-        save_checkpoint(self.ckpt, self.model, self.opt, state, self.extra, write=self.d.main,
-                        sharded=self.d.mode == "fsdp")
+        save_checkpoint(
+            self.ckpt,
+            self.model,
+            self.opt,
+            state,
+            self.extra,
+            write=self.d.main,
+            sharded=self.d.mode == "fsdp",
+        )
 
 
-def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_dir: Path,
-           on_progress: Callable[[dict[str, Any]], None] | None, max_steps: int | None, resume: bool, d: Dist,
-           dev: torch.device) -> dict[str, Any]:
+def _train(
+    cfg: Any,
+    extract_dir: Path,
+    vocab_path: Path,
+    target_dir: Path,
+    out_dir: Path,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    max_steps: int | None,
+    resume: bool,
+    d: Dist,
+    dev: torch.device,
+) -> dict[str, Any]:
     if d.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -124,8 +150,13 @@ def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_
         run.save(state)
         if d.world > 1:
             dist.barrier()
-        return {"stage": "train", "complete": False, "step": state.step, "total_steps": run.total_steps,
-                "checkpoint": str(run.ckpt)}
+        return {
+            "stage": "train",
+            "complete": False,
+            "step": state.step,
+            "total_steps": run.total_steps,
+            "checkpoint": str(run.ckpt),
+        }
 
     check_finite(state, extract_dir)
     export_dir = export(run, vocab, state, out_dir / "vllm-draft")
@@ -147,8 +178,12 @@ def _train(cfg: Any, extract_dir: Path, vocab_path: Path, target_dir: Path, out_
         "resumed_from_step": resumed_from,
         "final": state.history[-1] if state.history else None,
         "device": str(dev),
-        "distributed": {"mode": d.mode, "world_size": d.world, "grad_accum": tc.grad_accum,
-                        "batches_per_step": run.group},
+        "distributed": {
+            "mode": d.mode,
+            "world_size": d.world,
+            "grad_accum": tc.grad_accum,
+            "batches_per_step": run.group,
+        },
         "wall_s": round(time.time() - started, 2),
     }
     if d.main:
@@ -171,27 +206,43 @@ def open_extract(extract_dir: Path, aux_layers: list[int]) -> HiddenStateDataset
             raise ValueError(f"extract stored aux layers {stored}, config says {aux_layers}")
         listed = extract_manifest.get("samples")
         if listed is not None and len(ds) < int(listed):
-            raise MissingSamples(f"{extract_dir}: manifest.json lists {listed} samples, index.json {len(ds)}: the "
-                                 "folder was changed after extract; rerun extract into it, then train")
+            raise MissingSamples(
+                f"{extract_dir}: manifest.json lists {listed} samples, index.json {len(ds)}: the "
+                "folder was changed after extract; rerun extract into it, then train"
+            )
     return ds
 
 
-def build_model(cfg: Any, target_dir: Path, vocab: VocabMapping, ds: HiddenStateDataset) -> DraftModel:
+def build_model(
+    cfg: Any, target_dir: Path, vocab: VocabMapping, ds: HiddenStateDataset
+) -> DraftModel:
     """The draft of ``train.draft_arch`` from the seed, checked against the vocab and the stored
     states, its read-out optionally started from the target's and frozen."""
     tc = cfg.train
-    overrides = {k: v for k, v in {"num_attention_heads": tc.draft_num_attention_heads,
-                                   "num_key_value_heads": tc.draft_num_key_value_heads,
-                                   "intermediate_size": tc.draft_intermediate_size}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {
+            "num_attention_heads": tc.draft_num_attention_heads,
+            "num_key_value_heads": tc.draft_num_key_value_heads,
+            "intermediate_size": tc.draft_intermediate_size,
+        }.items()
+        if v is not None
+    }
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     aux_layers = list(cfg.aux_layers)
-    model = build_draft(target_dir, vocab.draft_vocab_size, aux_layers, arch=cfg.draft_arch, **overrides)
+    model = build_draft(
+        target_dir, vocab.draft_vocab_size, aux_layers, arch=cfg.draft_arch, **overrides
+    )
     dcfg = model.config
     if vocab.target_vocab_size != dcfg.vocab_size:
-        raise ValueError(f"vocab built for {vocab.target_vocab_size} target ids, target has {dcfg.vocab_size}")
+        raise ValueError(
+            f"vocab built for {vocab.target_vocab_size} target ids, target has {dcfg.vocab_size}"
+        )
     if ds[0].aux.shape[-1] != dcfg.fc_input_size:
-        raise ValueError(f"stored aux width {ds[0].aux.shape[-1]} != {len(aux_layers)} x {dcfg.target_hidden_size}")
+        raise ValueError(
+            f"stored aux width {ds[0].aux.shape[-1]} != {len(aux_layers)} x {dcfg.target_hidden_size}"
+        )
     if tc.head_init == "target":
         init_head_from_target(model, target_dir, vocab.draft_ids)
     if tc.freeze_head:
@@ -200,14 +251,25 @@ def build_model(cfg: Any, target_dir: Path, vocab: VocabMapping, ds: HiddenState
     return model
 
 
-def set_up(cfg: Any, model: DraftModel, ds: HiddenStateDataset, vocab: VocabMapping, target_dir: Path, out_dir: Path,
-           d: Dist, dev: torch.device) -> Run:
+def set_up(
+    cfg: Any,
+    model: DraftModel,
+    ds: HiddenStateDataset,
+    vocab: VocabMapping,
+    target_dir: Path,
+    out_dir: Path,
+    d: Dist,
+    dev: torch.device,
+) -> Run:
     """Move the draft to the device, wrap it (DDP / FSDP), build the optimizer and the schedule."""
     tc = cfg.train
     # FSDP shards the draft in place: rank 0 keeps an unsharded CPU copy (frozen tensors shared)
     # to load the gathered final weights into for the export.
-    export_copy = (copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
-                   if d.mode == "fsdp" and d.main else None)
+    export_copy = (
+        copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
+        if d.mode == "fsdp" and d.main
+        else None
+    )
     model.to(dev)
     hold_frozen_bf16(model, dev)
     head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
@@ -217,34 +279,68 @@ def set_up(cfg: Any, model: DraftModel, ds: HiddenStateDataset, vocab: VocabMapp
     per_epoch = len(epoch_batches(ds, tc.token_budget, tc.seed, 0))
     group = d.world * tc.grad_accum
     total_steps = math.ceil(per_epoch / group) * tc.epochs
-    extra = {"total_steps": total_steps, "global_batches": group, "world_size": d.world,
-             "train_config": tc.model_dump(mode="json"), "draft_config": model.config.to_dict()}
-    return Run(cfg, d, dev, ds, head, model, net, opt, trainable, export_copy, group, total_steps,
-               out_dir / "checkpoints" / "latest", extra)
+    extra = {
+        "total_steps": total_steps,
+        "global_batches": group,
+        "world_size": d.world,
+        "train_config": tc.model_dump(mode="json"),
+        "draft_config": model.config.to_dict(),
+    }
+    return Run(
+        cfg,
+        d,
+        dev,
+        ds,
+        head,
+        model,
+        net,
+        opt,
+        trainable,
+        export_copy,
+        group,
+        total_steps,
+        out_dir / "checkpoints" / "latest",
+        extra,
+    )
 
 
 def resume_from(run: Run) -> TrainState:
     """The state of ``run.ckpt`` (weights and optimizer loaded), refused if from another schedule."""
     state, meta = load_checkpoint(run.ckpt, run.model, run.opt)
-    if meta.get("total_steps") != run.total_steps or meta.get("draft_config") != run.model.config.to_dict():
-        raise ValueError(f"{run.ckpt}: checkpoint from a different run (schedule or draft shape differs; a run "
-                         f"of {meta.get('global_batches', 1)} batches per step resumes with world size x "
-                         f"train.grad_accum = {meta.get('global_batches', 1)}, this one has {run.group})")
+    if (
+        meta.get("total_steps") != run.total_steps
+        or meta.get("draft_config") != run.model.config.to_dict()
+    ):
+        raise ValueError(
+            f"{run.ckpt}: checkpoint from a different run (schedule or draft shape differs; a run "
+            f"of {meta.get('global_batches', 1)} batches per step resumes with world size x "
+            f"train.grad_accum = {meta.get('global_batches', 1)}, this one has {run.group})"
+        )
     return state
 
 
-def epoch_batches(ds: HiddenStateDataset, token_budget: int, seed: int, epoch: int) -> list[list[int]]:
+def epoch_batches(
+    ds: HiddenStateDataset, token_budget: int, seed: int, epoch: int
+) -> list[list[int]]:
     """The epoch's batches (sample indices), length-bucketed and shuffled by (seed, epoch)."""
     return list(ds.batches(token_budget, shuffle=True, seed=seed * 100003 + epoch))
 
 
-def run_epochs(run: Run, state: TrainState, out_dir: Path, max_steps: int | None,
-               on_progress: Callable[[dict[str, Any]], None] | None) -> bool:
+def run_epochs(
+    run: Run,
+    state: TrainState,
+    out_dir: Path,
+    max_steps: int | None,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+) -> bool:
     """Optimizer steps until the last epoch ends (True) or ``max_steps`` is reached (False).
     Checkpoints every ``checkpoint_every_steps`` and after each epoch."""
     tc, d = run.cfg.train, run.d
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if run.dev.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if run.dev.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
     run.model.train()
     while state.epoch < tc.epochs:
         batches = epoch_batches(run.ds, tc.token_budget, tc.seed, state.epoch)
@@ -256,9 +352,18 @@ def run_epochs(run: Run, state: TrainState, out_dir: Path, max_steps: int | None
             r = optimizer_step(run, step_batches, lr, autocast)
             count_step(state, r, len(step_batches))
             if on_progress is not None and d.main:
-                on_progress({"step": state.step, "total_steps": run.total_steps, "epoch": state.epoch, "lr": lr,
-                             "loss": r.loss if r.finite else None, "grad_norm": r.grad_norm,
-                             "steps": r.stats, "skipped_nan": state.skipped_nan})
+                on_progress(
+                    {
+                        "step": state.step,
+                        "total_steps": run.total_steps,
+                        "epoch": state.epoch,
+                        "lr": lr,
+                        "loss": r.loss if r.finite else None,
+                        "grad_norm": r.grad_norm,
+                        "steps": r.stats,
+                        "skipped_nan": state.skipped_nan,
+                    }
+                )
             if state.step % tc.checkpoint_every_steps == 0:
                 run.save(state)
         state.history.append(epoch_metrics(state))
@@ -280,10 +385,24 @@ def optimizer_step(run: Run, step_batches: list[list[int]], lr: float, autocast:
         for b in micro:
             add_feature_noise(b, tc.feature_noise)
     if not micro:  # the epoch's short last group: join the all-reduce with nothing counted
-        micro = [zero_weight(make_batch([ds[i] for i in step_batches[0]], run.head, run.dev, tc.max_seq_len))]
+        micro = [
+            zero_weight(
+                make_batch([ds[i] for i in step_batches[0]], run.head, run.dev, tc.max_seq_len)
+            )
+        ]
     for g in run.opt.param_groups:
         g["lr"] = lr
-    return train_step(run.net, run.opt, run.trainable, micro, d, tc.ttt_steps, tc.ttt_decay, tc.grad_clip, autocast)
+    return train_step(
+        run.net,
+        run.opt,
+        run.trainable,
+        micro,
+        d,
+        tc.ttt_steps,
+        tc.ttt_decay,
+        tc.grad_clip,
+        autocast,
+    )
 
 
 def count_step(state: TrainState, r: StepResult, n_batches: int) -> None:
@@ -298,8 +417,10 @@ def count_step(state: TrainState, r: StepResult, n_batches: int) -> None:
     state.step += 1
     state.batch_in_epoch += n_batches
     if state.consecutive_nan >= MAX_CONSECUTIVE_NAN:
-        raise TrainingDiverged(f"{state.consecutive_nan} non-finite steps in a row (last at step "
-                               f"{state.step}, {state.skipped_nan} skipped in all): check the data / lr")
+        raise TrainingDiverged(
+            f"{state.consecutive_nan} non-finite steps in a row (last at step "
+            f"{state.step}, {state.skipped_nan} skipped in all): check the data / lr"
+        )
 
 
 def check_finite(state: TrainState, extract_dir: Path) -> None:
@@ -309,7 +430,8 @@ def check_finite(state: TrainState, extract_dir: Path) -> None:
     raise TrainingDiverged(
         f"only {state.updates} of {state.step} optimizer steps were finite (at least {MIN_FINITE_FRACTION:.0%} are "
         f"required): the draft is not trained, nothing was exported or sealed. Check {extract_dir} for NaN/inf "
-        "states (extract drops them) and train.lr, then rerun train (delete its checkpoints/ to start over)")
+        "states (extract drops them) and train.lr, then rerun train (delete its checkpoints/ to start over)"
+    )
 
 
 def export(run: Run, vocab: VocabMapping, state: TrainState, export_dir: Path) -> Path:
@@ -317,13 +439,21 @@ def export(run: Run, vocab: VocabMapping, state: TrainState, export_dir: Path) -
     from eagle3.draft.export import export_vllm
 
     model = run.model
-    if run.d.mode == "fsdp":  # gather the final weights (every rank), load them into rank 0's unsharded copy
+    if (
+        run.d.mode == "fsdp"
+    ):  # gather the final weights (every rank), load them into rank 0's unsharded copy
         final_weights = trainable_full(model, run.d.main)
         if run.export_copy is not None:
             run.export_copy.load_state_dict(final_weights, strict=False)
             model = run.export_copy
     if run.d.main:
         model.eval()
-        export_dir = export_vllm(model.to("cpu").float(), None, vocab.d2t, vocab.t2d, export_dir,
-                                 metadata={"stage": "train", "steps": state.step, "epochs": run.cfg.train.epochs})
+        export_dir = export_vllm(
+            model.to("cpu").float(),
+            None,
+            vocab.d2t,
+            vocab.t2d,
+            export_dir,
+            metadata={"stage": "train", "steps": state.step, "epochs": run.cfg.train.epochs},
+        )
     return export_dir

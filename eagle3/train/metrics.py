@@ -26,7 +26,7 @@ def epoch_metrics(state: TrainState) -> dict[str, Any]:
     return {
         "epoch": state.epoch + 1,
         "step": state.step,
-        "loss": [l / c if c else None for l, c in zip(s["loss"], s["count"])],
+        "loss": [v / c if c else None for v, c in zip(s["loss"], s["count"])],
         "top1": [k / c if c else None for k, c in zip(s["correct"], s["count"])],
         "tokens": s["count"][0] if s["count"] else 0,
         "skipped_nan": state.skipped_nan,

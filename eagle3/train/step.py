@@ -31,8 +31,14 @@ def make_optimizer(model: DraftModel, lr: float, weight_decay: float) -> torch.o
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.dim() >= 2]
     no_decay = [p for n, p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
 
 
 @dataclass
@@ -43,9 +49,17 @@ class StepResult:
     finite: bool  # the optimizer stepped
 
 
-def train_step(net: nn.Module, opt: torch.optim.Optimizer, params: list[torch.Tensor], micro: list[Batch], d: Dist,
-               ttt_steps: int, ttt_decay: float, grad_clip: float,
-               autocast: contextlib.AbstractContextManager) -> StepResult:
+def train_step(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    micro: list[Batch],
+    d: Dist,
+    ttt_steps: int,
+    ttt_decay: float,
+    grad_clip: float,
+    autocast: contextlib.AbstractContextManager,
+) -> StepResult:
     """One optimizer step on this rank's micro-batches; the global batch is all ranks' together.
 
     The per-step denominators (counted positions of the global batch) are all-reduced first, so
@@ -56,18 +70,29 @@ def train_step(net: nn.Module, opt: torch.optim.Optimizer, params: list[torch.Te
     if d.world > 1:
         dist.all_reduce(counts)
     denom = counts.clamp(min=1).float()
-    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=counts.device)  # ce sum, correct, count
+    sums = torch.zeros(
+        3, ttt_steps, dtype=torch.float64, device=counts.device
+    )  # ce sum, correct, count
     for j, b in enumerate(micro):
         with grad_sync(net, d, j == len(micro) - 1):
             with autocast:
                 loss, stats = net(b, denom)
             (loss * d.world).backward()
-        sums += torch.tensor([[s["sum"] for s in stats], [s["correct"] for s in stats], [s["count"] for s in stats]],
-                             dtype=torch.float64, device=sums.device)
+        sums += torch.tensor(
+            [[s["sum"] for s in stats], [s["correct"] for s in stats], [s["count"] for s in stats]],
+            dtype=torch.float64,
+            device=sums.device,
+        )
     if d.world > 1:
         dist.all_reduce(sums)
-    per_step = [{"loss": float(sums[0, i] / max(float(sums[2, i]), 1.0)), "correct": int(sums[1, i]),
-                 "count": int(sums[2, i])} for i in range(ttt_steps)]
+    per_step = [
+        {
+            "loss": float(sums[0, i] / max(float(sums[2, i]), 1.0)),
+            "correct": int(sums[1, i]),
+            "count": int(sums[2, i]),
+        }
+        for i in range(ttt_steps)
+    ]
     total = sum(ttt_decay**i * s["loss"] for i, s in enumerate(per_step))
     gnorm_t = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     gnorm = float(gnorm_t.full_tensor() if isinstance(gnorm_t, DTensor) else gnorm_t)

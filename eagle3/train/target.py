@@ -29,9 +29,14 @@ class TargetHead:
     t2draft: torch.Tensor  # [V] int64: draft index of a target id, -1 if not in the draft vocab
     eps: float
 
-    def to(self, device: torch.device | str) -> "TargetHead":
-        return TargetHead(self.norm_weight.to(device), self.lm_head.to(device), self.draft_ids.to(device),
-                          self.t2draft.to(device), self.eps)
+    def to(self, device: torch.device | str) -> TargetHead:
+        return TargetHead(
+            self.norm_weight.to(device),
+            self.lm_head.to(device),
+            self.draft_ids.to(device),
+            self.t2draft.to(device),
+            self.eps,
+        )
 
 
 def load_target_head(target_dir: str | Path, draft_ids: torch.Tensor, eps: float) -> TargetHead:
@@ -45,7 +50,9 @@ def load_target_head(target_dir: str | Path, draft_ids: torch.Tensor, eps: float
 
 
 @torch.no_grad()
-def target_distribution(final: torch.Tensor, head: TargetHead, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def target_distribution(
+    final: torch.Tensor, head: TargetHead, chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For final states [N, H]: (probs [N, D] float32 over the draft vocab, renormalised;
     target argmax as a draft index [N], -1 where the full-vocab argmax is outside the draft vocab).
 
@@ -63,7 +70,9 @@ def target_distribution(final: torch.Tensor, head: TargetHead, chunk: int = 256)
     return probs, arg
 
 
-def init_head_from_target(model: nn.Module, target_dir: str | Path, draft_ids: torch.Tensor) -> None:
+def init_head_from_target(
+    model: nn.Module, target_dir: str | Path, draft_ids: torch.Tensor
+) -> None:
     """Start the draft's read-out as the target's own: ``lm_head`` rows = the target's lm_head rows
     of the draft vocab (tied targets: embedding rows), final ``norm`` = the target's final norm.
 
@@ -75,8 +84,10 @@ def init_head_from_target(model: nn.Module, target_dir: str | Path, draft_ids: t
     norm = load_target_tensor(target_dir, NORM_NAMES)
     ids = draft_ids.to(torch.int64)
     if head.shape[1] != model.lm_head.weight.shape[1] or norm.shape != model.norm.weight.shape:
-        raise ValueError(f"train.head_init=target needs the draft's hidden size ({model.lm_head.weight.shape[1]}) "
-                         f"to equal the target's ({head.shape[1]}); set train.head_init=random")
+        raise ValueError(
+            f"train.head_init=target needs the draft's hidden size ({model.lm_head.weight.shape[1]}) "
+            f"to equal the target's ({head.shape[1]}); set train.head_init=random"
+        )
     with torch.no_grad():
         model.lm_head.weight.copy_(head[ids].to(model.lm_head.weight.dtype))
         model.norm.weight.copy_(norm.to(model.norm.weight.dtype))

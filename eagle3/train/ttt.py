@@ -41,7 +41,9 @@ def ttt_mask(t: int, step: int, device: torch.device | str = "cpu") -> torch.Ten
     return torch.cat([causal] + [eye] * step, dim=1)
 
 
-def ttt_unroll(model: DraftModel, batch: Batch, ttt_steps: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def ttt_unroll(
+    model: DraftModel, batch: Batch, ttt_steps: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield (step i, out [B, L, H], logits [B, L, D]) of the unrolled draft, step by step.
 
     Step i gets ``past_kv`` = keys/values of steps 0..i-1 (with grad), the boolean
@@ -54,9 +56,13 @@ def ttt_unroll(model: DraftModel, batch: Batch, ttt_steps: int) -> Iterator[tupl
     for i in range(ttt_steps):
         ids = shift_left(batch.input_ids, 1 + i)
         mask = None if i == 0 else ttt_mask(L, i, device)
-        out, logits, kv = model(ids, hidden, position_ids=pos + i, attn_mask=mask, past_kv=past, use_cache=True)
+        out, logits, kv = model(
+            ids, hidden, position_ids=pos + i, attn_mask=mask, past_kv=past, use_cache=True
+        )
         yield i, out, logits
-        past = kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+        past = (
+            kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+        )
         hidden = out
 
 
@@ -65,8 +71,13 @@ def step_counts(batch: Batch, ttt_steps: int) -> torch.Tensor:
     return torch.stack([shift_left(batch.target_ok, 1 + i, False).sum() for i in range(ttt_steps)])
 
 
-def ttt_loss(model: DraftModel, batch: Batch, ttt_steps: int, ttt_decay: float,
-             denom: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict]]:
+def ttt_loss(
+    model: DraftModel,
+    batch: Batch,
+    ttt_steps: int,
+    ttt_decay: float,
+    denom: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[dict]]:
     """Unrolled loss (weighted sum over steps) and per-step {loss, sum, correct, count}.
 
     Step i's loss is its summed soft CE over counted positions divided by ``denom[i]``, by default
@@ -74,7 +85,7 @@ def ttt_loss(model: DraftModel, batch: Batch, ttt_steps: int, ttt_decay: float,
     batch so that the micro-batches' losses add up to the global batch's loss."""
     total = torch.zeros((), device=batch.input_ids.device)
     stats = []
-    for i, out, logits in ttt_unroll(model, batch, ttt_steps):
+    for i, _out, logits in ttt_unroll(model, batch, ttt_steps):
         _, probs, arg, ok = step_inputs(batch, i)
         logp = torch.log_softmax(logits.float(), dim=-1)
         ce = -(probs * logp).sum(-1)  # [B, L]
@@ -84,8 +95,14 @@ def ttt_loss(model: DraftModel, batch: Batch, ttt_steps: int, ttt_decay: float,
         total = total + (ttt_decay**i) * loss_i
         with torch.no_grad():
             correct = int(((logits.argmax(-1) == arg) & ok).sum())
-        stats.append({"loss": float(loss_i.detach()), "sum": float(ce_sum.detach()), "correct": correct,
-                      "count": count})
+        stats.append(
+            {
+                "loss": float(loss_i.detach()),
+                "sum": float(ce_sum.detach()),
+                "correct": correct,
+                "count": count,
+            }
+        )
     return total, stats
 
 
@@ -101,5 +118,7 @@ class TTTObjective(nn.Module):
         self.ttt_steps = ttt_steps
         self.ttt_decay = ttt_decay
 
-    def forward(self, batch: Batch, denom: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict]]:
+    def forward(
+        self, batch: Batch, denom: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[dict]]:
         return ttt_loss(self.draft, batch, self.ttt_steps, self.ttt_decay, denom)

@@ -58,30 +58,57 @@ class WorkloadRun:
 
 
 def _client(base_url: str, api_key: str | None, timeout_s: float) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key or "EMPTY",
-                       timeout=httpx.Timeout(timeout_s, connect=30.0), max_retries=0)
+    return AsyncOpenAI(
+        base_url=f"{base_url}/v1",
+        api_key=api_key or "EMPTY",
+        timeout=httpx.Timeout(timeout_s, connect=30.0),
+        max_retries=0,
+    )
 
 
-async def _turn(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], conv: str, turn: int,
-                max_tokens: int, temperature: float, seed: int | None) -> TurnResult:
+async def _turn(
+    client: AsyncOpenAI,
+    model: str,
+    messages: list[dict[str, str]],
+    conv: str,
+    turn: int,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+) -> TurnResult:
     t0 = time.perf_counter()
     resp = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed,
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
         extra_body={"return_token_ids": True},
     )
     choice = resp.choices[0]
     return TurnResult(
-        conversation=conv, turn=turn,
+        conversation=conv,
+        turn=turn,
         prompt_token_ids=list((resp.model_extra or {}).get("prompt_token_ids") or []),
         token_ids=list((choice.model_extra or {}).get("token_ids") or []),
-        text=choice.message.content or "", finish_reason=choice.finish_reason,
+        text=choice.message.content or "",
+        finish_reason=choice.finish_reason,
         latency_s=time.perf_counter() - t0,
     )
 
 
-async def _run(base_url: str, model: str, convs: list[Conversation], concurrency: int, max_tokens: int,
-               temperature: float, seed: int, api_key: str | None, timeout_s: float,
-               on_result: Callable[[TurnResult], None] | None) -> WorkloadRun:
+async def _run(
+    base_url: str,
+    model: str,
+    convs: list[Conversation],
+    concurrency: int,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    api_key: str | None,
+    timeout_s: float,
+    on_result: Callable[[TurnResult], None] | None,
+) -> WorkloadRun:
     client = _client(base_url, api_key, timeout_s)
     sem = asyncio.Semaphore(concurrency)
     results: list[TurnResult] = []
@@ -91,8 +118,16 @@ async def _run(base_url: str, model: str, convs: list[Conversation], concurrency
             messages: list[dict[str, str]] = []
             for i, text in enumerate(conv.turns):
                 messages.append({"role": "user", "content": text})
-                r = await _turn(client, model, messages, conv.id, i, max_tokens, temperature,
-                                None if temperature == 0 else seed)
+                r = await _turn(
+                    client,
+                    model,
+                    messages,
+                    conv.id,
+                    i,
+                    max_tokens,
+                    temperature,
+                    None if temperature == 0 else seed,
+                )
                 results.append(r)
                 if on_result is not None:
                     on_result(r)
@@ -108,19 +143,45 @@ async def _run(base_url: str, model: str, convs: list[Conversation], concurrency
     return WorkloadRun(concurrency, wall, results)
 
 
-def run_workload(base_url: str, model: str, convs: list[Conversation], *, concurrency: int, max_tokens: int,
-                 temperature: float = 0.0, seed: int = 0, api_key: str | None = None, timeout_s: float = 600,
-                 on_result: Callable[[TurnResult], None] | None = None) -> WorkloadRun:
-    return asyncio.run(_run(base_url, model, convs, concurrency, max_tokens, temperature, seed, api_key,
-                            timeout_s, on_result))
+def run_workload(
+    base_url: str,
+    model: str,
+    convs: list[Conversation],
+    *,
+    concurrency: int,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout_s: float = 600,
+    on_result: Callable[[TurnResult], None] | None = None,
+) -> WorkloadRun:
+    return asyncio.run(
+        _run(
+            base_url,
+            model,
+            convs,
+            concurrency,
+            max_tokens,
+            temperature,
+            seed,
+            api_key,
+            timeout_s,
+            on_result,
+        )
+    )
 
 
-def warmup(base_url: str, model: str, n: int, api_key: str | None = None, timeout_s: float = 600) -> None:
+def warmup(
+    base_url: str, model: str, n: int, api_key: str | None = None, timeout_s: float = 600
+) -> None:
     """A few short requests outside the measured window (first-request costs, lazy init)."""
     if n <= 0:
         return
     convs = [Conversation(f"warmup-{i}", ("Say hello in five words.",)) for i in range(n)]
-    run_workload(base_url, model, convs, concurrency=n, max_tokens=16, api_key=api_key, timeout_s=timeout_s)
+    run_workload(
+        base_url, model, convs, concurrency=n, max_tokens=16, api_key=api_key, timeout_s=timeout_s
+    )
 
 
 def compare_outputs(base: WorkloadRun, spec: WorkloadRun) -> dict[str, Any]:
@@ -136,10 +197,23 @@ def compare_outputs(base: WorkloadRun, spec: WorkloadRun) -> dict[str, Any]:
         if o is None:
             continue
         if o.token_ids != r.token_ids:
-            first = next((i for i, (x, y) in enumerate(zip(o.token_ids, r.token_ids)) if x != y),
-                         min(len(o.token_ids), len(r.token_ids)))
-            mismatches.append({"conversation": r.conversation, "turn": r.turn, "first_diff": first,
-                               "baseline_tokens": len(o.token_ids), "speculative_tokens": len(r.token_ids)})
+            first = next(
+                (i for i, (x, y) in enumerate(zip(o.token_ids, r.token_ids)) if x != y),
+                min(len(o.token_ids), len(r.token_ids)),
+            )
+            mismatches.append(
+                {
+                    "conversation": r.conversation,
+                    "turn": r.turn,
+                    "first_diff": first,
+                    "baseline_tokens": len(o.token_ids),
+                    "speculative_tokens": len(r.token_ids),
+                }
+            )
     compared = sum(1 for r in spec.results if (r.conversation, r.turn) in b)
-    return {"compared": compared, "mismatches": len(mismatches),
-            "mismatch_fraction": len(mismatches) / compared if compared else None, "details": mismatches}
+    return {
+        "compared": compared,
+        "mismatches": len(mismatches),
+        "mismatch_fraction": len(mismatches) / compared if compared else None,
+        "details": mismatches,
+    }

@@ -62,17 +62,23 @@ def beat_ngram_reasons(versus: dict[str, Any] | None, ngram_reason: str | None =
     Both must exceed the baseline's: the acceptance length (against vLLM's own n-gram figure, counted
     over the steps where n-gram proposed: the stricter one) and the speedup at the lowest concurrency."""
     if versus is None:
-        return [f"verify.require_beat_ngram: the n-gram baseline was not measured ({ngram_reason or 'unknown'})"]
+        return [
+            f"verify.require_beat_ngram: the n-gram baseline was not measured ({ngram_reason or 'unknown'})"
+        ]
     reasons = []
     d, n, c = versus["draft"], versus["ngram"], versus["concurrency"]
     dal, nal = d["acceptance_length"], n["acceptance_length"]
     if dal is None or dal <= nal:
-        reasons.append(f"acceptance length {'-' if dal is None else f'{dal:.3f}'} does not exceed the n-gram "
-                       f"baseline's {nal:.3f} (vLLM's count over the steps where n-gram proposed; "
-                       f"{_fmt(n.get('acceptance_length_all_steps'))} over all steps)")
+        reasons.append(
+            f"acceptance length {'-' if dal is None else f'{dal:.3f}'} does not exceed the n-gram "
+            f"baseline's {nal:.3f} (vLLM's count over the steps where n-gram proposed; "
+            f"{_fmt(n.get('acceptance_length_all_steps'))} over all steps)"
+        )
     ds, ns = d["speedup"], n["speedup"]
     if ds is None or ns is None or ds <= ns:
-        reasons.append(f"speedup at concurrency {c} x{_fmt(ds)} does not exceed the n-gram baseline's x{_fmt(ns)}")
+        reasons.append(
+            f"speedup at concurrency {c} x{_fmt(ds)} does not exceed the n-gram baseline's x{_fmt(ns)}"
+        )
     return reasons
 
 
@@ -80,31 +86,58 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def evaluate_gate(acceptance_length: float | None, conditions: dict[str, Any], prev: dict[str, Any] | None, *,
-                  min_acceptance_length: float, max_regression: float, mismatch_fraction: float | None = None,
-                  max_mismatch_fraction: float | None = None, require_beat_ngram: bool = False,
-                  versus_ngram: dict[str, Any] | None = None, ngram_reason: str | None = None) -> GateResult:
+def evaluate_gate(
+    acceptance_length: float | None,
+    conditions: dict[str, Any],
+    prev: dict[str, Any] | None,
+    *,
+    min_acceptance_length: float,
+    max_regression: float,
+    mismatch_fraction: float | None = None,
+    max_mismatch_fraction: float | None = None,
+    require_beat_ngram: bool = False,
+    versus_ngram: dict[str, Any] | None = None,
+    ngram_reason: str | None = None,
+) -> GateResult:
     reasons: list[str] = []
-    checks: dict[str, Any] = {"min_acceptance_length": min_acceptance_length, "max_regression": max_regression}
+    checks: dict[str, Any] = {
+        "min_acceptance_length": min_acceptance_length,
+        "max_regression": max_regression,
+    }
     if acceptance_length is None:
-        reasons.append("no speculative drafts were counted (vllm:spec_decode_num_drafts did not move): "
-                       "is speculative decoding on?")
+        reasons.append(
+            "no speculative drafts were counted (vllm:spec_decode_num_drafts did not move): "
+            "is speculative decoding on?"
+        )
     elif acceptance_length < min_acceptance_length:
-        reasons.append(f"acceptance length {acceptance_length:.3f} < minimum {min_acceptance_length}")
+        reasons.append(
+            f"acceptance length {acceptance_length:.3f} < minimum {min_acceptance_length}"
+        )
     if prev is not None and comparable(prev, conditions):
         floor = prev["acceptance_length"] * (1 - max_regression)
-        checks["previous"] = {"acceptance_length": prev["acceptance_length"], "draft": prev.get("draft"),
-                              "floor": floor}
+        checks["previous"] = {
+            "acceptance_length": prev["acceptance_length"],
+            "draft": prev.get("draft"),
+            "floor": floor,
+        }
         if acceptance_length is not None and acceptance_length < floor:
-            reasons.append(f"acceptance length {acceptance_length:.3f} is more than {max_regression:.0%} below the "
-                           f"last promoted draft's {prev['acceptance_length']:.3f} ({prev.get('draft')})")
+            reasons.append(
+                f"acceptance length {acceptance_length:.3f} is more than {max_regression:.0%} below the "
+                f"last promoted draft's {prev['acceptance_length']:.3f} ({prev.get('draft')})"
+            )
     else:
-        checks["previous"] = None if prev is None else "not comparable (other workload, k, temperature or max_tokens)"
+        checks["previous"] = (
+            None
+            if prev is None
+            else "not comparable (other workload, k, temperature or max_tokens)"
+        )
     if max_mismatch_fraction is not None and mismatch_fraction is not None:
         checks["max_mismatch_fraction"] = max_mismatch_fraction
         if mismatch_fraction > max_mismatch_fraction:
-            reasons.append(f"{mismatch_fraction:.1%} of greedy outputs differ from the baseline "
-                           f"(allowed {max_mismatch_fraction:.1%})")
+            reasons.append(
+                f"{mismatch_fraction:.1%} of greedy outputs differ from the baseline "
+                f"(allowed {max_mismatch_fraction:.1%})"
+            )
     checks["require_beat_ngram"] = require_beat_ngram
     if versus_ngram is not None or require_beat_ngram:
         not_beaten = beat_ngram_reasons(versus_ngram, ngram_reason)

@@ -67,7 +67,7 @@ class Snapshot:
     hist_count: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_text(cls, text: str) -> "Snapshot":
+    def from_text(cls, text: str) -> Snapshot:
         s = parse_prometheus(text)
         per_pos: dict[int, float] = {}
         for (n, labels), v in s.items():
@@ -84,44 +84,67 @@ class Snapshot:
             hist_count={k: _sum(s, f"{n}_count") for k, n in HISTOGRAMS.items()},
         )
 
-    def __sub__(self, before: "Snapshot") -> "Snapshot":
+    def __sub__(self, before: Snapshot) -> Snapshot:
         return Snapshot(
             drafts=self.drafts - before.drafts,
             draft_tokens=self.draft_tokens - before.draft_tokens,
             accepted=self.accepted - before.accepted,
-            accepted_per_pos={p: v - before.accepted_per_pos.get(p, 0.0) for p, v in self.accepted_per_pos.items()},
+            accepted_per_pos={
+                p: v - before.accepted_per_pos.get(p, 0.0) for p, v in self.accepted_per_pos.items()
+            },
             generation_tokens=self.generation_tokens - before.generation_tokens,
             hist_sum={k: v - before.hist_sum.get(k, 0.0) for k, v in self.hist_sum.items()},
             hist_count={k: v - before.hist_count.get(k, 0.0) for k, v in self.hist_count.items()},
         )
 
-    def __add__(self, other: "Snapshot") -> "Snapshot":
+    def __add__(self, other: Snapshot) -> Snapshot:
         keys = set(self.accepted_per_pos) | set(other.accepted_per_pos)
         return Snapshot(
             drafts=self.drafts + other.drafts,
             draft_tokens=self.draft_tokens + other.draft_tokens,
             accepted=self.accepted + other.accepted,
-            accepted_per_pos={p: self.accepted_per_pos.get(p, 0.0) + other.accepted_per_pos.get(p, 0.0) for p in keys},
+            accepted_per_pos={
+                p: self.accepted_per_pos.get(p, 0.0) + other.accepted_per_pos.get(p, 0.0)
+                for p in keys
+            },
             generation_tokens=self.generation_tokens + other.generation_tokens,
-            hist_sum={k: self.hist_sum.get(k, 0.0) + other.hist_sum.get(k, 0.0) for k in HISTOGRAMS},
-            hist_count={k: self.hist_count.get(k, 0.0) + other.hist_count.get(k, 0.0) for k in HISTOGRAMS},
+            hist_sum={
+                k: self.hist_sum.get(k, 0.0) + other.hist_sum.get(k, 0.0) for k in HISTOGRAMS
+            },
+            hist_count={
+                k: self.hist_count.get(k, 0.0) + other.hist_count.get(k, 0.0) for k in HISTOGRAMS
+            },
         )
 
     def raw(self) -> dict:
         """The counters themselves (the report keeps them next to what is derived from them)."""
-        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
-                "accepted_per_pos": {str(p): v for p, v in sorted(self.accepted_per_pos.items())},
-                "generation_tokens": self.generation_tokens,
-                "hist_sum": dict(self.hist_sum), "hist_count": dict(self.hist_count)}
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
+            "accepted_per_pos": {str(p): v for p, v in sorted(self.accepted_per_pos.items())},
+            "generation_tokens": self.generation_tokens,
+            "hist_sum": dict(self.hist_sum),
+            "hist_count": dict(self.hist_count),
+        }
 
     def summary(self) -> dict:
         """Derived figures (None where the window has no drafts)."""
         d = self.drafts
-        mean = lambda k: (self.hist_sum.get(k, 0.0) / self.hist_count[k]) if self.hist_count.get(k) else None  # noqa: E731
+
+        def mean(k: str) -> float | None:
+            return (
+                self.hist_sum.get(k, 0.0) / self.hist_count[k] if self.hist_count.get(k) else None
+            )
+
         return {
             "acceptance_length": 1 + self.accepted / d if d else None,
             "acceptance_rate": self.accepted / self.draft_tokens if self.draft_tokens else None,
-            "acceptance_per_position": [self.accepted_per_pos[p] / d for p in sorted(self.accepted_per_pos)] if d else [],
+            "acceptance_per_position": [
+                self.accepted_per_pos[p] / d for p in sorted(self.accepted_per_pos)
+            ]
+            if d
+            else [],
             "server_mean_tpot_s": mean("tpot"),
             "server_mean_ttft_s": mean("ttft"),
         }

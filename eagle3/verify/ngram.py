@@ -77,8 +77,12 @@ class NgramChains(list):
     matched (only a last chain: vLLM, which still had the target's logits there, may have accepted
     them before cutting the output at max_tokens or a stop token)."""
 
-    def __init__(self, accepted: Sequence[int] = (), proposed: Sequence[int] = (),
-                 unchecked: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        accepted: Sequence[int] = (),
+        proposed: Sequence[int] = (),
+        unchecked: Sequence[int] = (),
+    ) -> None:
         super().__init__(accepted)
         self.proposed: list[int] = list(proposed)
         self.unchecked: list[int] = list(unchecked)
@@ -99,8 +103,9 @@ def leading_matches(proposal: Sequence[int], truth: Sequence[int]) -> int:
     return a
 
 
-def ngram_chains(prompt: Sequence[int], output: Sequence[int], k: int, n_min: int = 1,
-                 n_max: int = 4) -> NgramChains:
+def ngram_chains(
+    prompt: Sequence[int], output: Sequence[int], k: int, n_min: int = 1, n_max: int = 4
+) -> NgramChains:
     """Accepted count of each chain along prompt + output (the offline estimate's chain walk).
 
     The result is a list of ints; ``.proposed`` gives the tokens proposed per chain and
@@ -127,8 +132,9 @@ def ngram_chains(prompt: Sequence[int], output: Sequence[int], k: int, n_min: in
     return out
 
 
-def simulate_ngram(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int, n_min: int = 1,
-                   n_max: int = 4) -> dict[str, Any]:
+def simulate_ngram(
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int, n_min: int = 1, n_max: int = 4
+) -> dict[str, Any]:
     """:func:`eagle3.verify.offline.summarize_chains`'s dict over every chain of ``sequences`` =
     [(prompt_token_ids, output_token_ids)], plus what vLLM's counters would say (proposing steps
     only): ``proposing_chains``, ``acceptance_length_proposing``, ``acceptance_rate_proposing``
@@ -159,7 +165,9 @@ def simulate_ngram(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: 
         "proposing_chains": m,
         "acceptance_length_proposing": 1 + sum(acc_p) / m if m else None,
         "acceptance_rate_proposing": sum(acc_p) / sum(proposed) if m else None,
-        "acceptance_per_position_proposing": [sum(1 for a in acc_p if a > i) / m for i in range(k)] if m else [],
+        "acceptance_per_position_proposing": [sum(1 for a in acc_p if a > i) / m for i in range(k)]
+        if m
+        else [],
         "accepted_tokens": sum(accepted),
         "proposed_tokens": sum(proposed),
         # proposed tokens past the end of a sequence after a fully matching prefix: vLLM's accepted
@@ -174,4 +182,9 @@ def simulate_ngram(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: 
 
 def vllm_ngram_config(k: int, n_min: int = 1, n_max: int = 4) -> dict[str, Any]:
     """The ``--speculative-config`` that serves this baseline in vLLM (works on vLLM CPU with -O0)."""
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_max": n_max,
+        "prompt_lookup_min": n_min,
+    }

@@ -42,8 +42,14 @@ def _cat_kv(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[t
 
 
 @torch.no_grad()
-def chains_of_sequence(draft: Any, aux: torch.Tensor, ids: torch.Tensor, start: int, k: int,
-                       draft_to_target: torch.Tensor) -> list[int]:
+def chains_of_sequence(
+    draft: Any,
+    aux: torch.Tensor,
+    ids: torch.Tensor,
+    start: int,
+    k: int,
+    draft_to_target: torch.Tensor,
+) -> list[int]:
     """Accepted draft tokens (0..k) of each chain along one sequence.
 
     ``aux`` [L, A*H] target states, ``ids`` [L] tokens, ``start`` = P-1, ``draft_to_target`` [D]
@@ -72,8 +78,14 @@ def chains_of_sequence(draft: Any, aux: torch.Tensor, ids: torch.Tensor, start: 
 
 
 @torch.no_grad()
-def chain_accepts(draft: Any, aux: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int,
-                  draft_to_target: torch.Tensor) -> torch.Tensor:
+def chain_accepts(
+    draft: Any,
+    aux: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    draft_to_target: torch.Tensor,
+) -> torch.Tensor:
     """Accepted draft tokens (0..k) of a chain started at EVERY position, for a padded batch.
 
     ``aux`` [B, L, A*H], ``ids`` [B, L] (right padded), ``lengths`` [B]. Returns int64 [B, L]:
@@ -93,7 +105,9 @@ def chain_accepts(draft: Any, aux: torch.Tensor, ids: torch.Tensor, lengths: tor
     pos = torch.arange(L, device=ids.device)
     valid = torch.ones(b, L, dtype=torch.bool, device=ids.device)
     acc = torch.zeros(b, L, dtype=torch.int64, device=ids.device)
-    for i, _, logits in ttt_unroll(draft, SimpleNamespace(input_ids=ids, aux=aux), k):  # the training unroll
+    for i, _, logits in ttt_unroll(
+        draft, SimpleNamespace(input_ids=ids, aux=aux), k
+    ):  # the training unroll
         guess = draft_to_target[logits.argmax(-1)]
         exists = (pos + 2 + i)[None, :] < lengths[:, None]
         valid = valid & exists & (guess == shift_left(ids, 2 + i, -1))
@@ -125,8 +139,9 @@ def summarize_chains(accepted: Sequence[int], k: int) -> dict[str, Any]:
     }
 
 
-def load_draft_for_eval(draft_dir: str | Path, target_dir: str | Path, device: str = "cpu"
-                        ) -> tuple[Any, torch.Tensor]:
+def load_draft_for_eval(
+    draft_dir: str | Path, target_dir: str | Path, device: str = "cpu"
+) -> tuple[Any, torch.Tensor]:
     """(the exported draft in float32 with the target's embedding, eval mode on ``device``;
     the draft-index -> target-id map [D])."""
     from eagle3.draft.export import load_exported
@@ -141,9 +156,16 @@ def load_draft_for_eval(draft_dir: str | Path, target_dir: str | Path, device: s
 
 
 @torch.no_grad()
-def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences: Sequence[tuple[list[int], list[int]]],
-                       k: int, *, max_sequences: int | None = None, device: str = "cpu",
-                       ngram_lookup: tuple[int, int] | None = (1, 4)) -> dict[str, Any]:
+def offline_acceptance(
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    sequences: Sequence[tuple[list[int], list[int]]],
+    k: int,
+    *,
+    max_sequences: int | None = None,
+    device: str = "cpu",
+    ngram_lookup: tuple[int, int] | None = (1, 4),
+) -> dict[str, Any]:
     """Estimate acceptance of the exported draft in ``draft_dir`` for the target in ``target_dir``
     on ``sequences`` = [(prompt_token_ids, greedy_output_token_ids)].
 
@@ -157,7 +179,9 @@ def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences:
     target_dir = checkpoint_dir(target_dir)
     draft, draft_to_target = load_draft_for_eval(draft_dir, target_dir, device)
     aux_layers = list(draft.config.aux_layer_ids)
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    target = (
+        AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    )
     accepted: list[int] = []
     used = 0
     scored: list[tuple[list[int], list[int]]] = []
@@ -168,8 +192,14 @@ def offline_acceptance(target_dir: str | Path, draft_dir: str | Path, sequences:
         ids = torch.tensor(list(prompt) + list(output), dtype=torch.int64, device=device)
         hs = target(ids.unsqueeze(0), output_hidden_states=True).hidden_states
         aux = torch.cat([hs[layer][0] for layer in aux_layers], dim=-1)
-        acc = chain_accepts(draft, aux[None], ids[None], torch.tensor([ids.numel()], device=device), k,
-                            draft_to_target)
+        acc = chain_accepts(
+            draft,
+            aux[None],
+            ids[None],
+            torch.tensor([ids.numel()], device=device),
+            k,
+            draft_to_target,
+        )
         accepted += walk_chains(acc[0].tolist(), len(prompt) - 1, ids.numel())
         used += 1
     ngram = simulate_ngram(scored, k, *ngram_lookup) if ngram_lookup is not None else None

@@ -23,8 +23,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"{r['workload']['turns']} turns, max_tokens {r['max_tokens']} (fingerprint {r['workload']['fingerprint']})",
         f"- **mean acceptance length {_f(acc['acceptance_length'])}**, acceptance rate {_f(acc['acceptance_rate'])}",
         _ngram_line(r),
-        f"- gate: **{'passed' if gate['passed'] else 'FAILED'}**" + ("" if gate["passed"] else
-                                                                    ": " + "; ".join(gate["reasons"])),
+        f"- gate: **{'passed' if gate['passed'] else 'FAILED'}**"
+        + ("" if gate["passed"] else ": " + "; ".join(gate["reasons"])),
         f"- promoted: `{r['promoted']}`" if r.get("promoted") else "- promoted: no",
         "",
         "## Acceptance per position (vLLM counters)",
@@ -34,11 +34,18 @@ def render_markdown(r: dict[str, Any]) -> str:
     ]
     off = (r.get("offline") or {}).get("acceptance_per_position") or []
     for i, v in enumerate(acc["acceptance_per_position"]):
-        lines.append(f"| {i} | {_f(v)} |" + (f" {_f(off[i]) if i < len(off) else '-'} |" if r.get("offline") else ""))
-    lines += ["", "## Throughput", "",
-              "| concurrency | baseline tok/s | speculative tok/s | speedup | baseline TPOT ms | speculative TPOT ms "
-              "| TPOT ratio | acceptance length | greedy mismatches |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {i} | {_f(v)} |"
+            + (f" {_f(off[i]) if i < len(off) else '-'} |" if r.get("offline") else "")
+        )
+    lines += [
+        "",
+        "## Throughput",
+        "",
+        "| concurrency | baseline tok/s | speculative tok/s | speedup | baseline TPOT ms | speculative TPOT ms "
+        "| TPOT ratio | acceptance length | greedy mismatches |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for w in r["windows"]:
         b, s = w["baseline"], w["speculative"]
         ms = lambda x: None if x is None else x * 1000  # noqa: E731
@@ -47,27 +54,48 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"| {w['concurrency']} | {_f(b['output_tokens_per_s'], 1)} | {_f(s['output_tokens_per_s'], 1)} | "
             f"{_f(w['speedup'])} | {_f(ms(b['server_mean_tpot_s']), 2)} | {_f(ms(s['server_mean_tpot_s']), 2)} | "
             f"{_f(w['tpot_ratio'])} | {_f(s['acceptance_length'])} | "
-            f"{mm.get('mismatches', '-')} / {mm.get('compared', '-')} |")
-    moved = [(w["concurrency"], w["baseline_vs_first_window"]) for w in r["windows"] if w.get("baseline_vs_first_window")]
+            f"{mm.get('mismatches', '-')} / {mm.get('compared', '-')} |"
+        )
+    moved = [
+        (w["concurrency"], w["baseline_vs_first_window"])
+        for w in r["windows"]
+        if w.get("baseline_vs_first_window")
+    ]
     if moved:
-        lines += ["", "Greedy outputs of the baseline itself at another concurrency (batch-shape numerics alone): "
-                  + ", ".join(f"c={c}: {m['mismatches']} / {m['compared']} differ from c={r['windows'][0]['concurrency']}"
-                              for c, m in moved) + "."]
+        lines += [
+            "",
+            "Greedy outputs of the baseline itself at another concurrency (batch-shape numerics alone): "
+            + ", ".join(
+                f"c={c}: {m['mismatches']} / {m['compared']} differ from c={r['windows'][0]['concurrency']}"
+                for c, m in moved
+            )
+            + ".",
+        ]
     lines += _ngram_markdown(r)
     if r.get("offline"):
         o = r["offline"]
-        lines += ["", "## Offline estimate (PyTorch, target + draft, greedy chains)", "",
-                  f"- acceptance length {_f(o['acceptance_length'])} over {o['chains']} chains of {o['sequences']} "
-                  f"sequences; vLLM {_f(acc['acceptance_length'])}; difference {_f(o.get('difference_from_vllm'))}"]
+        lines += [
+            "",
+            "## Offline estimate (PyTorch, target + draft, greedy chains)",
+            "",
+            f"- acceptance length {_f(o['acceptance_length'])} over {o['chains']} chains of {o['sequences']} "
+            f"sequences; vLLM {_f(acc['acceptance_length'])}; difference {_f(o.get('difference_from_vllm'))}",
+        ]
         on = o.get("ngram")
         if on:
-            lines.append(f"- n-gram baseline simulated on the same sequences: acceptance length "
-                         f"{_f(on['acceptance_length'])} over all steps, {_f(on['acceptance_length_proposing'])} over "
-                         f"the {on['proposing_chains']} of {on['chains']} steps where it proposed")
+            lines.append(
+                f"- n-gram baseline simulated on the same sequences: acceptance length "
+                f"{_f(on['acceptance_length'])} over all steps, {_f(on['acceptance_length_proposing'])} over "
+                f"the {on['proposing_chains']} of {on['chains']} steps where it proposed"
+            )
     ng = (r["servers"].get("ngram") or {}).get("ready_s")
-    lines += ["", f"Servers: baseline ready in {_f(r['servers']['baseline']['ready_s'], 1)} s, speculative in "
-              f"{_f(r['servers']['speculative']['ready_s'], 1)} s"
-              + (f", n-gram in {_f(ng, 1)} s." if ng is not None else "."), ""]
+    lines += [
+        "",
+        f"Servers: baseline ready in {_f(r['servers']['baseline']['ready_s'], 1)} s, speculative in "
+        f"{_f(r['servers']['speculative']['ready_s'], 1)} s"
+        + (f", n-gram in {_f(ng, 1)} s." if ng is not None else "."),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -81,12 +109,14 @@ def _ngram_line(r: dict[str, Any]) -> str:
     vs = r.get("versus_ngram") or {}
     c = vs.get("concurrency")
     beats = (r.get("gate") or {}).get("checks", {}).get("beats_ngram")
-    return (f"- n-gram baseline (prompt lookup, n {ng['speculative_config']['prompt_lookup_min']}.."
-            f"{ng['speculative_config']['prompt_lookup_max']}): acceptance length {_f(ng['acceptance_length'])} "
-            f"in vLLM (steps where it proposed), {_f(ng['acceptance_length_all_steps'])} over all steps; speedup "
-            f"at concurrency {c}: draft x{_f((vs.get('draft') or {}).get('speedup'))}, n-gram "
-            f"x{_f((vs.get('ngram') or {}).get('speedup'))}; **draft beats n-gram: "
-            f"{'yes' if beats else 'no' if beats is not None else '-'}**")
+    return (
+        f"- n-gram baseline (prompt lookup, n {ng['speculative_config']['prompt_lookup_min']}.."
+        f"{ng['speculative_config']['prompt_lookup_max']}): acceptance length {_f(ng['acceptance_length'])} "
+        f"in vLLM (steps where it proposed), {_f(ng['acceptance_length_all_steps'])} over all steps; speedup "
+        f"at concurrency {c}: draft x{_f((vs.get('draft') or {}).get('speedup'))}, n-gram "
+        f"x{_f((vs.get('ngram') or {}).get('speedup'))}; **draft beats n-gram: "
+        f"{'yes' if beats else 'no' if beats is not None else '-'}**"
+    )
 
 
 def _ngram_markdown(r: dict[str, Any]) -> list[str]:
@@ -95,35 +125,53 @@ def _ngram_markdown(r: dict[str, Any]) -> list[str]:
         return []
     acc = r["acceptance"]
     k = r["num_speculative_tokens"]
-    lines = ["", "## N-gram baseline (prompt lookup) vs the draft", "",
-             f"Same workload on the target served with `--speculative-config '{json.dumps(ng['speculative_config'])}'`. "
-             "vLLM counts only the steps where n-gram proposed something (no match, no draft); an EAGLE draft "
-             f"proposes at every step. N-gram proposed at {_f(_pct(ng.get('proposing_fraction')), 1)} % of the steps "
-             "(simulated over its own outputs); over all steps is the draft's definition.", "",
-             "| | draft (EAGLE-3) | n-gram (vLLM, proposing steps) | n-gram (all steps, simulated) |",
-             "|---|---|---|---|",
-             f"| acceptance length | {_f(acc['acceptance_length'])} | {_f(ng['acceptance_length'])} | "
-             f"{_f(ng['acceptance_length_all_steps'])} |"]
+    lines = [
+        "",
+        "## N-gram baseline (prompt lookup) vs the draft",
+        "",
+        f"Same workload on the target served with `--speculative-config '{json.dumps(ng['speculative_config'])}'`. "
+        "vLLM counts only the steps where n-gram proposed something (no match, no draft); an EAGLE draft "
+        f"proposes at every step. N-gram proposed at {_f(_pct(ng.get('proposing_fraction')), 1)} % of the steps "
+        "(simulated over its own outputs); over all steps is the draft's definition.",
+        "",
+        "| | draft (EAGLE-3) | n-gram (vLLM, proposing steps) | n-gram (all steps, simulated) |",
+        "|---|---|---|---|",
+        f"| acceptance length | {_f(acc['acceptance_length'])} | {_f(ng['acceptance_length'])} | "
+        f"{_f(ng['acceptance_length_all_steps'])} |",
+    ]
     dpp, npp = acc["acceptance_per_position"], ng.get("acceptance_per_position") or []
     sap = ng.get("acceptance_per_position_all_steps") or []
     for i in range(k):
-        lines.append(f"| acceptance at position {i} | {_f(dpp[i]) if i < len(dpp) else '-'} | "
-                     f"{_f(npp[i]) if i < len(npp) else '-'} | {_f(sap[i]) if i < len(sap) else '-'} |")
-    lines += ["", "| concurrency | baseline tok/s | draft tok/s | draft speedup | n-gram tok/s | n-gram speedup "
-              "| n-gram acceptance length | n-gram greedy mismatches |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| acceptance at position {i} | {_f(dpp[i]) if i < len(dpp) else '-'} | "
+            f"{_f(npp[i]) if i < len(npp) else '-'} | {_f(sap[i]) if i < len(sap) else '-'} |"
+        )
+    lines += [
+        "",
+        "| concurrency | baseline tok/s | draft tok/s | draft speedup | n-gram tok/s | n-gram speedup "
+        "| n-gram acceptance length | n-gram greedy mismatches |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for w, nw in zip(r["windows"], ng["windows"]):
         mm = nw.get("outputs") or {}
-        lines.append(f"| {w['concurrency']} | {_f(w['baseline']['output_tokens_per_s'], 1)} | "
-                     f"{_f(w['speculative']['output_tokens_per_s'], 1)} | {_f(w['speedup'])} | "
-                     f"{_f(nw['ngram']['output_tokens_per_s'], 1)} | {_f(nw['speedup'])} | "
-                     f"{_f(nw['ngram']['acceptance_length'])} | {mm.get('mismatches', '-')} / {mm.get('compared', '-')} |")
+        lines.append(
+            f"| {w['concurrency']} | {_f(w['baseline']['output_tokens_per_s'], 1)} | "
+            f"{_f(w['speculative']['output_tokens_per_s'], 1)} | {_f(w['speedup'])} | "
+            f"{_f(nw['ngram']['output_tokens_per_s'], 1)} | {_f(nw['speedup'])} | "
+            f"{_f(nw['ngram']['acceptance_length'])} | {mm.get('mismatches', '-')} / {mm.get('compared', '-')} |"
+        )
     sv = (ng.get("simulated") or {}).get("vs_vllm") or {}
     if sv:
-        lines += ["", "Simulated over the n-gram server's own outputs (`eagle3/verify/ngram.py`) vs its counters: "
-                  + ", ".join(f"{name} {_f(sv[name]['simulated'], 0)} vs {_f(sv[name]['vllm'], 0)}"
-                              for name in ("drafts", "draft_tokens", "accepted"))
-                  + f"; acceptance length {_f(sv['acceptance_length_proposing']['simulated'])} vs "
-                  f"{_f(sv['acceptance_length_proposing']['vllm'])}."]
+        lines += [
+            "",
+            "Simulated over the n-gram server's own outputs (`eagle3/verify/ngram.py`) vs its counters: "
+            + ", ".join(
+                f"{name} {_f(sv[name]['simulated'], 0)} vs {_f(sv[name]['vllm'], 0)}"
+                for name in ("drafts", "draft_tokens", "accepted")
+            )
+            + f"; acceptance length {_f(sv['acceptance_length_proposing']['simulated'])} vs "
+            f"{_f(sv['acceptance_length_proposing']['vllm'])}.",
+        ]
     return lines
 
 
@@ -147,7 +195,9 @@ def plot(r: dict[str, Any], path: Path) -> Path:
         series.append(("draft (offline estimate)", off))
     if ng:
         series.append(("n-gram (vLLM, proposing steps)", ng.get("acceptance_per_position") or []))
-        series.append(("n-gram (all steps, simulated)", ng.get("acceptance_per_position_all_steps") or []))
+        series.append(
+            ("n-gram (all steps, simulated)", ng.get("acceptance_per_position_all_steps") or [])
+        )
     w = 0.8 / len(series)
     for j, (label, vals) in enumerate(series):
         n = min(len(vals), len(xs))
@@ -162,12 +212,22 @@ def plot(r: dict[str, Any], path: Path) -> Path:
     a1.set_title(title + ")", fontsize=9)
     a1.legend(fontsize=8)
     conc = [str(win["concurrency"]) for win in r["windows"]]
-    bars = [("baseline", [win["baseline"]["output_tokens_per_s"] or 0 for win in r["windows"]], None),
-            ("draft", [win["speculative"]["output_tokens_per_s"] or 0 for win in r["windows"]],
-             [win["speedup"] for win in r["windows"]])]
+    bars = [
+        ("baseline", [win["baseline"]["output_tokens_per_s"] or 0 for win in r["windows"]], None),
+        (
+            "draft",
+            [win["speculative"]["output_tokens_per_s"] or 0 for win in r["windows"]],
+            [win["speedup"] for win in r["windows"]],
+        ),
+    ]
     if ng:
-        bars.append(("n-gram", [nw["ngram"]["output_tokens_per_s"] or 0 for nw in ng["windows"]],
-                     [nw["speedup"] for nw in ng["windows"]]))
+        bars.append(
+            (
+                "n-gram",
+                [nw["ngram"]["output_tokens_per_s"] or 0 for nw in ng["windows"]],
+                [nw["speedup"] for nw in ng["windows"]],
+            )
+        )
     xs2 = list(range(len(conc)))
     w2 = 0.8 / len(bars)
     for j, (label, vals, speedups) in enumerate(bars):

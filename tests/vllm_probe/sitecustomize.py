@@ -27,7 +27,11 @@ def _patch(module) -> None:
         from safetensors.torch import save_file
 
         seq[0] += 1
-        out = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items() if v is not None}
+        out = {
+            k: v.detach().to("cpu").contiguous().clone()
+            for k, v in tensors.items()
+            if v is not None
+        }
         final = os.path.join(_DIR, f"{os.getpid()}-{seq[0]:04d}-{kind}.safetensors")
         save_file(out, final + ".tmp")
         os.replace(final + ".tmp", final)
@@ -41,8 +45,16 @@ def _patch(module) -> None:
 
     def forward_(self, input_ids, positions, hidden_states, inputs_embeds=None):
         normed, prenorm = forward(self, input_ids, positions, hidden_states, inputs_embeds)
-        save("forward", {"input_ids": input_ids, "positions": positions, "hidden_states": hidden_states,
-                         "normed": normed, "prenorm": prenorm})
+        save(
+            "forward",
+            {
+                "input_ids": input_ids,
+                "positions": positions,
+                "hidden_states": hidden_states,
+                "normed": normed,
+                "prenorm": prenorm,
+            },
+        )
         return normed, prenorm
 
     def compute_logits(self, hidden_states):
@@ -50,7 +62,11 @@ def _patch(module) -> None:
         save("logits", {"hidden_states": hidden_states, "logits": out})
         return out
 
-    cls.combine_hidden_states, cls.forward, cls.compute_logits = combine_hidden_states, forward_, compute_logits
+    cls.combine_hidden_states, cls.forward, cls.compute_logits = (
+        combine_hidden_states,
+        forward_,
+        compute_logits,
+    )
 
 
 class _Finder(importlib.abc.MetaPathFinder):
