@@ -164,8 +164,8 @@ def _load_lm(cfg, device: str):
 
 def write_generate_folder(out: Path, samples: list[dict], settings: dict) -> None:
     """A folder the extract stage reads like the generate stage's own (samples + manifest)."""
+    from eagle3.atomic import write_json_atomic
     from eagle3.fingerprint import local_fingerprint
-    from eagle3.generate.storage import write_json_atomic
 
     cfg = _cfg()
     out.mkdir(parents=True, exist_ok=True)

@@ -34,13 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.atomic import replace_symlink, write_json_atomic
 from eagle3.config import PipelineConfig
-from eagle3.generate.storage import (
-    is_permanent,
-    iter_samples,
-    latest_errors,
-    write_json_atomic,
-)
+from eagle3.generate.storage import is_permanent, iter_samples, latest_errors
 
 STAGES: tuple[str, ...] = ("generate", "extract", "vocab", "train", "verify")
 INPUTS: dict[str, tuple[str, ...]] = {
@@ -298,16 +294,10 @@ def is_complete(out_dir: Path, key: str | None = None) -> bool:
 
 def set_latest(cfg: PipelineConfig, stage: str, key: str) -> Path:
     """Point ``<run dir>/<stage>/latest`` at ``key`` (a relative symlink, swapped atomically)."""
-    root = cfg.paths.stage_root(stage)
-    root.mkdir(parents=True, exist_ok=True)
-    link = root / LATEST
+    link = cfg.paths.stage_root(stage) / LATEST
     if link.is_symlink() and os.readlink(link) == key:
         return link
-    tmp = root / f".{LATEST}.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
-    os.symlink(key, tmp)
-    os.replace(tmp, link)
-    return link
+    return replace_symlink(link, key)
 
 
 def latest(cfg: PipelineConfig, stage: str) -> tuple[Path, dict[str, Any]] | None:

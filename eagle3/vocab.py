@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_save
+
+from eagle3.atomic import write_bytes_atomic
 
 #: Metadata keys written by :func:`save_vocab` itself; caller metadata may not contradict them.
 RESERVED_METADATA = ("coverage", "distinct", "padded", "draft_vocab_size", "target_vocab_size")
@@ -201,7 +201,7 @@ def save_vocab(m: VocabMapping, path: Path, metadata: dict[str, Any] | None = No
     and the caller's ``metadata`` (non-strings JSON-encoded: safetensors metadata is str -> str).
     A caller key that contradicts a computed one raises ValueError rather than being dropped.
 
-    The file appears atomically (temporary file in the same folder, fsync, ``os.replace``), so a
+    The file appears atomically (``eagle3.atomic``), so a
     killed run never leaves a half-written vocab that a cache check would take for a finished one.
     """
     path = Path(path)
@@ -226,24 +226,7 @@ def save_vocab(m: VocabMapping, path: Path, metadata: dict[str, Any] | None = No
         "counts": m.counts.to(torch.int64).contiguous(),
     }
     data = safetensors_save(tensors, metadata=header)
-    _atomic_write(path, data)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_bytes_atomic(path, data)
 
 
 def load_vocab(path: Path) -> VocabMapping:
@@ -337,7 +320,7 @@ def plot_coverage(curve: list[tuple[int, float]], path: Path, chosen: int | None
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    _atomic_write(Path(path), buf.getvalue())
+    write_bytes_atomic(Path(path), buf.getvalue())
 
 
 def _check_read(extract_dir: Path, read: int) -> None:
@@ -364,8 +347,8 @@ def vocab_stage(
 ) -> dict[str, Any]:
     """The pipeline's vocab stage: count loss tokens of the stored training data, build and save
     the mapping (``vocab.safetensors``), a coverage curve (JSON + PNG) and a manifest."""
+    from eagle3.atomic import write_json_atomic
     from eagle3.extract.storage import iter_token_masks
-    from eagle3.generate.storage import write_json_atomic
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

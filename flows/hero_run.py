@@ -29,8 +29,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3 import PROJECT_ROOT, artifacts
+from eagle3.atomic import write_json_atomic
 from eagle3.config import ConfigError, PipelineConfig, load_config
-from eagle3.generate.storage import write_json_atomic
 from eagle3.serving.gpus import units_restored
 from tasks.caching import StageCall, call_stage
 from tasks.extract import extract_task

@@ -23,8 +23,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
-from eagle3.generate.storage import write_json_atomic
 from eagle3.serving.client import ChatResult, chat
 from eagle3.serving.server import Server, start_server
 from tasks.retries import TIMEOUT_S

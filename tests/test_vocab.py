@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3 import atomic
 from eagle3 import vocab as vocab_mod
 from eagle3.vocab import (
     build_vocab,
@@ -338,7 +339,7 @@ def test_save_is_atomic_on_failure(tmp_path: Path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(vocab_mod.os, "replace", boom)
+    monkeypatch.setattr(atomic.os, "replace", boom)
     with pytest.raises(OSError):
         save_vocab(_mapping(1), path, {})
     assert path.read_bytes() == before

@@ -22,17 +22,12 @@ from typing import Any
 
 import torch
 
+from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
 from eagle3.errors import MissingSamples, NoResult, TokenIdMismatch, disk_full, is_disk_full
 from eagle3.extract.inputs import Example, iter_examples
 from eagle3.extract.storage import Sample, ShardWriter
-from eagle3.generate.storage import (
-    JsonlAppender,
-    SampleScan,
-    repair_jsonl,
-    scan_samples,
-    write_json_atomic,
-)
+from eagle3.generate.storage import JsonlAppender, SampleScan, repair_jsonl, scan_samples
 
 CONVENTION = (
     "vLLM: aux layer k is the INPUT of decoder layer k (= HF output_hidden_states[k], 0 = embeddings); "

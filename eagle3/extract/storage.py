@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eagle3.atomic import atomic_path, write_json_atomic
 from eagle3.batching import token_budget_batches
 from eagle3.errors import CorruptArtifact
-from eagle3.generate.storage import fsync_dir, write_json_atomic
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -172,12 +172,9 @@ class ShardWriter:
         }
         self._blocks("aux", [s.aux for s in buf], pieces)
         self._blocks("final", [s.final for s in buf], pieces)
-        tmp = self.root / f".{name}.tmp"
-        write_safetensors_blocks(
-            tmp, pieces, {"ids": json.dumps([s.id for s in buf]), "storage_dtype": self.dtype}
-        )
-        tmp.replace(self.root / name)
-        fsync_dir(self.root)
+        meta = {"ids": json.dumps([s.id for s in buf]), "storage_dtype": self.dtype}
+        with atomic_path(self.root / name) as tmp:
+            write_safetensors_blocks(tmp, pieces, meta)
         for i, s in enumerate(buf):
             self.index[s.id] = [name, i, len(s)]
             self._queued.discard(s.id)

@@ -5,42 +5,9 @@ Imported INSIDE the vLLM server process (``kv_connector_module_path =
 none of the pipeline's dependencies: this module imports only the stdlib, torch, safetensors and
 vllm. ``eagle3/__init__.py`` imports only pathlib, so importing the package there is safe.
 
-How vLLM (0.32) captures hidden states
---------------------------------------
-``--speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
-"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}'`` makes the
-target return its EAGLE-3 auxiliary hidden states; the "drafter" (``ExtractHiddenStatesModel``)
-only stores them, stacked ``[tokens, num_layers, H]``, into a KV-cache-shaped buffer
-(``CacheOnlyAttentionLayer``, one "head" per layer, head size H). A KV connector then reads the
-request's blocks of that buffer when the request finishes. This connector is that reader.
-
-- Layer selection: ``eagle_aux_hidden_state_layer_ids`` in the draft hf_config (above). Without it
-  the extract proposer refuses to start (it does not fall back to the model default).
-- Convention: layer id k is the INPUT of decoder layer k (``hidden_states + residual`` after k
-  layers), i.e. Hugging Face ``output_hidden_states[k]``; k = 0 is the embedding output
-  (``LlamaModel.forward`` -> ``EagleModelMixin._maybe_add_hidden_state(idx + 1, ...)``).
-- The FINAL state: layer id N (= num_hidden_layers) is accepted (nothing checks the range) and is
-  the output of the last decoder layer, ``hidden_states + residual``, BEFORE the final norm:
-  exactly what EAGLE-3 training needs for the target distribution (``lm_head(norm(h_N))``). Note
-  that HF's last ``hidden_states`` entry is AFTER the final norm, so compare against a hook on
-  ``model.model.norm``'s input, not ``hidden_states[N]``.
-- Order: vLLM sorts and de-duplicates the ids (``_set_aux_hidden_state_layers``), so the stored
-  layers are in ascending id order; duplicates would break the proposer's buffer shape. Callers
-  must pass sorted unique ids and re-order themselves.
-- Tokens: the prompt tokens only (the sampled token never went through a forward pass).
-- Prefix caching must be off (``--no-enable-prefix-caching``): a cached prefix is not recomputed.
-
-Output: one safetensors file per request, ``<shared_storage_path>/<request id>.safetensors`` with
-``hidden_states`` [num_tokens, num_layers, H] (serving dtype) and ``token_ids`` [num_tokens]
-int64. The file is written under a temporary name and renamed, so a reader that sees the final
-name sees a complete file. The path is returned to the client in the response's
-``kv_transfer_params["hidden_states_path"]``.
-
-Difference from vLLM's ExampleHiddenStatesConnector (which fails on CPU: CUDA streams, CUDA
-events, pinned memory): the blocks are gathered with plain indexing and copied to host memory
-synchronously (``.to("cpu")``, ordered after the forward on the current stream on CUDA, a no-op
-on CPU), and only the disk write runs in a thread pool. No lock files: the atomic rename is the
-completion signal, and the client polls for the file.
+What vLLM (0.32) does that this connector relies on (layer ids, the final state, ordering,
+prompt tokens only, prefix caching off, the output file) is in docs/extract.md, "How vLLM
+captures hidden states".
 """
 
 from __future__ import annotations

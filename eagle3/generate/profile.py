@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
 from eagle3.generate.client import RetryPolicy, chat_request, make_pool
 from eagle3.generate.prompts import Prompt, PromptStats
-from eagle3.generate.storage import write_json_atomic
 
 
 def pick_knee(levels: list[dict[str, Any]], knee: float) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
 from eagle3.errors import ServerUnavailable, disk_full, is_disk_full
 from eagle3.fingerprint import server_fingerprint
@@ -44,7 +45,7 @@ from eagle3.generate.client import (
     make_pool,
 )
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
-from eagle3.generate.storage import ShardStore, iter_samples, latest_errors, write_json_atomic
+from eagle3.generate.storage import ShardStore, iter_samples, latest_errors
 from eagle3.serving.client import reasoning_of
 from eagle3.serving.readiness import auth_headers, root_url
 

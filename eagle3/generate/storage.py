@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.atomic import fsync_dir
+
 log = logging.getLogger(__name__)
 
 OPEN_SUFFIX = ".open"
@@ -41,24 +43,6 @@ def is_permanent(e: dict[str, Any]) -> bool:
 
 def _error_key(e: dict[str, Any]) -> tuple:
     return (e.get("id"), str(e.get("source")), e.get("kind"), e.get("reason"))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fsync_dir(path.parent)
 
 
 def repair_jsonl(

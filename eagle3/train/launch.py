@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3.generate.storage import write_json_atomic
+from eagle3.atomic import write_json_atomic
 from eagle3.serving.gpus import release_gpus
 
 

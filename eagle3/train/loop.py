@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from eagle3.atomic import write_json_atomic
 from eagle3.draft import DraftModel, build_draft
 from eagle3.errors import MissingSamples, NoResult
 from eagle3.extract.storage import HiddenStateDataset
-from eagle3.generate.storage import write_json_atomic
 from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
 from eagle3.train.batch import add_feature_noise, make_batch, zero_weight

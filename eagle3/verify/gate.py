@@ -18,14 +18,13 @@ concurrency must both exceed the n-gram (prompt lookup) baseline's, measured on 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.generate.storage import write_json_atomic
+from eagle3.atomic import replace_symlink, write_json_atomic
 
 
 class GateFailed(RuntimeError):
@@ -158,11 +157,7 @@ def promote(draft_dir: Path, runs_dir: Path, profile: str, record: dict[str, Any
     shutil.copytree(draft_dir, tmp)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-    link_tmp = root / ".latest.tmp"
-    if link_tmp.is_symlink() or link_tmp.exists():
-        link_tmp.unlink()
-    os.symlink(Path("drafts") / dest.name, link_tmp)
-    os.replace(link_tmp, root / "latest")
+    replace_symlink(root / "latest", Path("drafts") / dest.name)
     entry = {**record, "draft": str(dest), "source": str(draft_dir), "promoted_at": stamp}
     write_json_atomic(root / "latest.json", entry)
     with open(root / "history.jsonl", "a") as f:

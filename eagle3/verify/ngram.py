@@ -1,24 +1,10 @@
 """Prompt lookup (n-gram) speculation simulated over exact token ids: the free baseline a trained
 draft has to beat.
 
-Semantics of vLLM 0.32's proposer (``vllm/v1/spec_decode/ngram_proposer.py``,
-``_find_longest_matched_ngram_and_propose_tokens``; read from the installed source, and
-``tests/test_ngram.py`` runs that very function against this one when ``.venv-vllm`` is there):
-
-- the context is every token so far (prompt + output, including the token just emitted);
-- find the LONGEST n in [n_min, n_max] such that the context's last n tokens occur earlier in
-  the context (an occurrence may overlap the suffix, but must start before it);
-- of the occurrences of that n-gram take the FIRST one (the earliest in the context, not the
-  most recent: vLLM's KMP scan over the reversed tokens keeps the last hit, which is the earliest
-  position in the original order);
-- propose the up-to-k tokens that follow it; fewer than k when the context ends sooner (the
-  proposal never runs past the context), nothing when no n-gram of length >= n_min matches.
-
-vLLM's ``/metrics`` counts only the steps where something was proposed
-(``vllm:spec_decode_num_drafts_total`` moves only for a non-empty draft), so its mean acceptance
-length is over proposing steps; an EAGLE draft proposes at every step. :func:`simulate_ngram`
-reports both: over all steps (``acceptance_length``, the same definition as the draft's) and over
-proposing steps (``acceptance_length_proposing``, vLLM's number).
+vLLM 0.32's proposer semantics (longest n-gram, FIRST occurrence, up to k following tokens) and
+why there are two acceptance lengths (vLLM's ``/metrics`` count only proposing steps; an EAGLE
+draft proposes at every step): docs/verify.md, "The n-gram baseline". ``tests/test_ngram.py``
+runs vLLM's own ``_find_longest_matched_ngram_and_propose_tokens`` against this module.
 
 The chain walk is :func:`eagle3.verify.offline.chains_of_sequence`'s: chain start p = P-1 (the
 target has just emitted x[p+1]); the proposer sees x[:p+2]; accepted a = leading matches of the

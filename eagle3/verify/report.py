@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle3.atomic import atomic_path
+
 
 def _f(x: Any, nd: int = 3) -> str:
     return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
@@ -244,8 +246,7 @@ def plot(r: dict[str, Any], path: Path) -> Path:
         a2.set_ylim(0, top * 1.25)  # room for the speedup labels and the legend
     a2.legend(fontsize=8, ncol=len(bars), loc="upper center")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_path(path, suffix=".tmp.png") as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    tmp.replace(path)
     return path

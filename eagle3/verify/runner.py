@@ -14,13 +14,12 @@ than the last promoted one.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3.generate.storage import write_json_atomic
+from eagle3.atomic import replace_symlink, write_json_atomic, write_text_atomic
 from eagle3.serving.gpus import release_gpus
 from eagle3.serving.server import Server, start_server
 from eagle3.serving.units import speculative_config
@@ -35,12 +34,7 @@ from eagle3.verify.workload import Conversation, load_workload, workload_fingerp
 
 def point_candidate(link: Path, draft_dir: Path) -> None:
     """Atomically point ``link`` (named by the speculative unit) at the draft under test."""
-    link.parent.mkdir(parents=True, exist_ok=True)
-    tmp = link.with_name(f".{link.name}.tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    os.symlink(draft_dir, tmp)
-    os.replace(tmp, link)
+    replace_symlink(link, draft_dir)
 
 
 def _speculative_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Path) -> Server:
@@ -135,12 +129,7 @@ def measure(
 
 def save_outputs(path: Path, run: WorkloadRun) -> None:
     """Every turn's token ids and text (for the mismatch details and the offline estimate)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        for r in run.results:
-            f.write(json.dumps(r.to_dict()) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, "".join(json.dumps(r.to_dict()) + "\n" for r in run.results))
 
 
 def _window_stats(run: WorkloadRun, before: Snapshot, after: Snapshot) -> dict[str, Any]:
@@ -467,8 +456,7 @@ def verify(
         )
     report["wall_s"] = round(time.time() - started, 2)
     write_json_atomic(out_dir / "report.json", report)
-    (out_dir / ".report.md.tmp").write_text(render_markdown(report))
-    (out_dir / ".report.md.tmp").replace(out_dir / "report.md")
+    write_text_atomic(out_dir / "report.md", render_markdown(report))
     plot(report, out_dir / "report.png")
     if not gate.passed:
         raise GateFailed(
