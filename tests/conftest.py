@@ -8,6 +8,7 @@ check starting and stopping themselves start their own.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,17 +154,17 @@ def gen_cfg(tmp_path, *overrides):
     )
 
 
-@pytest.fixture(scope="session")
-def gen_dir(vllm_server, tmp_path_factory) -> Path:
-    """A small generate output from the real server: 8 samples, shared by extract/vocab/train tests."""
-    from eagle3.generate.runner import generate
+GENERATED = Path(__file__).parent / "data" / "smollm2-generate"
 
-    root = tmp_path_factory.mktemp("generated")
-    cfg = gen_cfg(
-        root, "generate.num_samples=8", "generate.max_tokens=40", "generate.concurrency=8"
-    )
-    generate(cfg, [vllm_server.base_url], root / "generate")
-    return root / "generate"
+
+@pytest.fixture(scope="session")
+def gen_dir(tmp_path_factory) -> Path:
+    """A small generate output: 8 real SmolLM2 samples (exact token ids from vLLM), checked in
+    (tests/data/README.md), so extract, vocab and train tests need no server. A copy: stages write
+    next to their inputs."""
+    out = tmp_path_factory.mktemp("generated") / "generate"
+    shutil.copytree(GENERATED, out)
+    return out
 
 
 @pytest.fixture(scope="session")

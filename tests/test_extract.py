@@ -18,8 +18,6 @@ from eagle3.extract.storage import (
 from eagle3.generate.storage import iter_samples
 from tests.conftest import gen_cfg
 
-pytestmark = pytest.mark.vllm  # gen_dir comes from the real vLLM server
-
 
 def test_mask_covers_exactly_the_assistant_tokens(gen_dir, smol_model):
     tok = AutoTokenizer.from_pretrained(smol_model)

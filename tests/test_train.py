@@ -316,7 +316,6 @@ def test_nan_guard_skips_and_stops(tmp_path):
         train(make_cfg(epochs=1, token_budget=40), ext2, vocab, target, tmp_path / "run-nan")
 
 
-@pytest.mark.vllm
 def test_trained_draft_export(trained_draft):
     """The train stage's own export, trained on real generated data (tests/conftest.py
     ``trained_draft``); tests/test_verify.py serves it in vLLM with speculative decoding."""
