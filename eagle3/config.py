@@ -301,6 +301,13 @@ class TrainConfig(_Section):
     draft_num_attention_heads: int | None = None
     draft_num_key_value_heads: int | None = None
     draft_intermediate_size: int | None = None
+    step_impl: Literal["auto", "eager", "fast"] = Field(
+        "auto",
+        description="The TTT step. fast: causal attention with the TTT diagonals folded in, the "
+        "targets read at an offset, no host sync in the step, fused AdamW on CUDA; eager: the "
+        "reference (dense TTT mask); the same loss and gradients to rounding (docs/train.md). "
+        "auto: fast.",
+    )
     checkpoint_every_steps: int = Field(500, gt=0)
     # Under torchrun (WORLD_SIZE > 1): how the draft is replicated. "ddp" keeps a full copy per
     # rank; "fsdp" shards the trainable weights, grads and AdamW state (docs/train.md, Distributed).

@@ -7,13 +7,13 @@ its RoPE and its attention; both import this module and never each other.
 The forward is vLLM's, step for step (``LlamaDecoderLayer.forward`` with ``layer_idx == 0`` and
 ``LlamaModel.forward`` of llama_eagle3.py; deepseek_eagle3.py is the same around MLA)::
 
-    hidden   = fc(aux)                       # only for target states; later steps pass H-wide states
-    residual = hidden                        # norm_before_residual=False (vLLM's default for this format)
+    hidden   = fc(aux)                       # only for target states; later steps pass H wide
+    residual = hidden                        # norm_before_residual=False (vLLM's default here)
     x        = cat([input_layernorm(embed(ids)), hidden_norm(hidden)], -1)   # EMBEDS FIRST, 2H
     residual = self_attn(x) + residual
     out      = mlp(post_attention_layernorm(residual)) + residual
     logits   = lm_head(norm(out))            # [.., D]; target id of row i is i + d2t[i]
-    return out, logits                       # ``out`` (pre-norm) is what vLLM feeds the next draft step
+    return out, logits                       # ``out`` (pre-norm) feeds vLLM's next draft step
 
 Alignment (as vLLM's proposer does it): the hidden state at position t is paired with the token
 at position t+1 (the token the target emitted after it), and the logits at t predict token t+2.
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.draft.ttt_attention import TTTPrefix, ttt_attend
 from eagle3.target_checkpoint import EMBED_NAMES, load_target_tensor
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -84,7 +85,7 @@ def read_config(target_config: dict[str, Any] | str | Path) -> dict[str, Any]:
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config (multimodal wrappers such as Kimi-K2.5's ``text_config``)."""
+    """The language model's part of a config (multimodal wrappers: Kimi-K2.5's ``text_config``)."""
     text = cfg.get("text_config") or cfg.get("language_config") or cfg
     return text if isinstance(text, dict) else cfg
 
@@ -112,7 +113,7 @@ def rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def check_common_fields(cfg: Any, mlp_name: str) -> None:
-    """The checks both configs make on the fields they share (aux layers, vocab sizes, activation)."""
+    """The checks both configs make on their shared fields (aux layers, vocab sizes, activation)."""
     cfg.aux_layer_ids = [int(i) for i in cfg.aux_layer_ids]
     if not cfg.aux_layer_ids:
         raise ValueError("aux_layer_ids must not be empty")
@@ -167,16 +168,21 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    past_kv: KVCache | None,
+    past_kv: KVCache | TTTPrefix | None,
     **sdpa: Any,
 ) -> tuple[torch.Tensor, KVCache]:
     """SDPA over an optional KV prefix, with the mask convention of the module docstring.
 
     ``q`` [B, heads, T, d], ``k``/``v`` this call's keys and values (dim 2 = positions). Returns
     (attention output [B, heads, T, dv], this call's (k, v) without the prefix). Shared by the
-    Llama and the MLA attention."""
+    Llama and the MLA attention. A :class:`~eagle3.draft.ttt_attention.TTTPrefix` as ``past_kv``
+    (the fast TTT step) takes the causal + diagonal path of :func:`ttt_attend`; no mask then."""
     t = q.shape[2]
     new_kv = (k, v)
+    if isinstance(past_kv, TTTPrefix):
+        return ttt_attend(
+            q, new_kv, past_kv, sdpa.get("scale"), sdpa.get("enable_gqa", False)
+        ), new_kv
     if past_kv is not None:
         k = torch.cat([past_kv[0], k], dim=2)
         v = torch.cat([past_kv[1], v], dim=2)
@@ -271,7 +277,8 @@ class DraftModel(nn.Module):
         embed = load_target_tensor(model_dir, EMBED_NAMES)
         if tuple(embed.shape) != tuple(self.embed_tokens.weight.shape):
             raise ValueError(
-                f"target embedding {tuple(embed.shape)} != draft {tuple(self.embed_tokens.weight.shape)}"
+                f"target embedding {tuple(embed.shape)} != draft "
+                f"{tuple(self.embed_tokens.weight.shape)}"
             )
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))

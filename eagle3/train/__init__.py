@@ -7,7 +7,10 @@ Read in this order:
   lm_head read from its checkpoint), and the optional warm start of the draft's read-out.
 - :mod:`~eagle3.train.batch`: padding, and the shift of each TTT step.
 - :mod:`~eagle3.train.ttt`: the unrolled draft, its attention mask and loss (the exact alignment).
-- :mod:`~eagle3.train.step`: the LR schedule, AdamW and one optimizer step.
+- :mod:`~eagle3.train.ttt_fast`: the same unroll and loss without the waste (the default step).
+- :mod:`~eagle3.train.step`: the LR schedule, AdamW and one optimizer step (reference);
+  :mod:`~eagle3.train.step_fast`: the step with no host sync.
+- :mod:`~eagle3.train.progress`: counting steps (the NaN guard), one step in flight.
 - :mod:`~eagle3.train.distributed`: torchrun, DDP / FSDP.
 - :mod:`~eagle3.train.checkpoint`: save and exact resume (safetensors + JSON, no pickle).
 - :mod:`~eagle3.train.metrics`: per-epoch loss and top-1, ``metrics.json`` / ``metrics.png``.
@@ -25,12 +28,12 @@ from eagle3.train.batch import (
 )
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
-from eagle3.train.loop import (
+from eagle3.train.loop import train
+from eagle3.train.progress import (
     MAX_CONSECUTIVE_NAN,
     MIN_FINITE_FRACTION,
     TrainingDiverged,
     check_finite,
-    train,
 )
 from eagle3.train.step import StepResult, lr_at, make_optimizer, train_step
 from eagle3.train.target import (

@@ -61,7 +61,14 @@ def _optimizer_from_flat(
         _, idx, k = name.split(".", 2)
         ref = params[int(idx)]
         state.setdefault(int(idx), {})[k] = shard_like(v, ref) if v.shape == ref.shape else v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    # the optimizer's own implementation flags (fused or not: train.step_impl) win over the
+    # checkpoint's, so a checkpoint resumes under either step (the state names are the same)
+    impl = ("fused", "foreach", "capturable")
+    groups = [
+        {**g, **{k: cur[k] for k in impl if k in cur}}
+        for g, cur in zip(meta["param_groups"], opt.param_groups)
+    ]
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], Any]:
@@ -149,7 +156,8 @@ def load_checkpoint(
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ValueError(
-            f"{ckpt_dir}: checkpoint does not fit the draft: missing {missing}, unexpected {unexpected}"
+            f"{ckpt_dir}: checkpoint does not fit the draft: missing {missing}, "
+            f"unexpected {unexpected}"
         )
     _optimizer_from_flat(
         opt,

@@ -48,7 +48,8 @@ def init_distributed(mode: str, device: str | None = None) -> tuple[Dist, torch.
 
     Under torchrun (``WORLD_SIZE`` > 1 or ``TORCHELASTIC_RUN_ID`` set) a CUDA machine gives rank r
     ``cuda:LOCAL_RANK`` and nccl, otherwise (or with ``device="cpu"``) gloo on CPU. A bare
-    ``WORLD_SIZE=1`` (set by some schedulers) is a plain process. ``torchrun --nproc-per-node 1`` gives a
+    ``WORLD_SIZE=1`` (set by some schedulers) is a plain process. ``torchrun --nproc-per-node 1``
+    gives a
     one-rank DDP/FSDP run (the same wrapping, e.g. as the 1-GPU baseline of a scaling
     measurement). A process group someone else initialised (a launcher script, a test) is used
     and left alone."""
@@ -72,7 +73,12 @@ def init_distributed(mode: str, device: str | None = None) -> tuple[Dist, torch.
 
 
 def wrap_for_training(
-    draft: DraftModel, d: Dist, dev: torch.device, ttt_steps: int, ttt_decay: float
+    draft: DraftModel,
+    d: Dist,
+    dev: torch.device,
+    ttt_steps: int,
+    ttt_decay: float,
+    impl: str = "eager",
 ) -> nn.Module:
     """:class:`TTTObjective` around the draft, under DDP or FSDP unless ``d.mode == "single"``.
 
@@ -84,8 +90,9 @@ def wrap_for_training(
     uses every weight in each of its steps, so they stay gathered through forward and backward
     whichever way they are grouped; what is sharded is the fp32 master weights, the gradients after
     the reduce-scatter and AdamW's moments. Every rank builds the same initial weights (same seed).
-    Build the optimizer after this (FSDP replaces the parameters by sharded ones)."""
-    net = TTTObjective(draft, ttt_steps, ttt_decay)
+    Build the optimizer after this (FSDP replaces the parameters by sharded ones). ``impl``: the
+    TTT step, ``eager`` (reference) or ``fast`` (:mod:`eagle3.train.ttt_fast`)."""
+    net = TTTObjective(draft, ttt_steps, ttt_decay, impl)
     if d.mode == "single":
         return net
     if d.mode == "ddp":

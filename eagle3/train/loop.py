@@ -25,26 +25,19 @@ from torch import nn
 
 from eagle3.atomic import write_json_atomic
 from eagle3.draft import DraftModel, build_draft
-from eagle3.errors import MissingSamples, NoResult
+from eagle3.errors import MissingSamples
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
-from eagle3.train.batch import add_feature_noise, make_batch, zero_weight
+from eagle3.train.batch import add_feature_noise, make_batch, make_batch_fast, zero_weight
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
-from eagle3.train.metrics import accumulate, epoch_metrics, write_metrics
-from eagle3.train.step import StepResult, lr_at, make_optimizer, train_step
+from eagle3.train.metrics import epoch_metrics, write_metrics
+from eagle3.train.progress import StepQueue, check_finite
+from eagle3.train.step import lr_at, make_optimizer, resolve_step_impl, train_step_async
+from eagle3.train.step_fast import PendingStep, StepResult
 from eagle3.train.target import TargetHead, init_head_from_target, load_target_head
 from eagle3.vocab import VocabMapping, load_vocab
-
-MAX_CONSECUTIVE_NAN = 5
-# A run where fewer than this fraction of the optimizer steps were finite is not a trained draft:
-# it fails and exports nothing (2 steps, both NaN, used to be sealed as done: issue #16).
-MIN_FINITE_FRACTION = 0.5
-
-
-class TrainingDiverged(NoResult, RuntimeError):
-    """Too many non-finite steps in a row, or too few finite steps in all: nothing is exported."""
 
 
 def train(
@@ -109,6 +102,7 @@ class Run:
     total_steps: int
     ckpt: Path
     extra: dict[str, Any]  # what state.json carries besides the state
+    impl: str = "eager"  # the TTT step (train.step_impl resolved)
 
     def save(self, state: TrainState) -> None:
         save_checkpoint(
@@ -241,7 +235,8 @@ def build_model(
         )
     if ds[0].aux.shape[-1] != dcfg.fc_input_size:
         raise ValueError(
-            f"stored aux width {ds[0].aux.shape[-1]} != {len(aux_layers)} x {dcfg.target_hidden_size}"
+            f"stored aux width {ds[0].aux.shape[-1]} != "
+            f"{len(aux_layers)} x {dcfg.target_hidden_size}"
         )
     if tc.head_init == "target":
         init_head_from_target(model, target_dir, vocab.draft_ids)
@@ -273,8 +268,9 @@ def set_up(
     model.to(dev)
     hold_frozen_bf16(model, dev)
     head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
-    net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay)
-    opt = make_optimizer(model, tc.lr, tc.weight_decay)
+    impl = resolve_step_impl(tc.step_impl, dev)
+    net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay, impl)
+    opt = make_optimizer(model, tc.lr, tc.weight_decay, fused=impl == "fast" and dev.type == "cuda")
     trainable = [p for p in model.parameters() if p.requires_grad]
     per_epoch = len(epoch_batches(ds, tc.token_budget, tc.seed, 0))
     group = d.world * tc.grad_accum
@@ -301,11 +297,12 @@ def set_up(
         total_steps,
         out_dir / "checkpoints" / "latest",
         extra,
+        impl,
     )
 
 
 def resume_from(run: Run) -> TrainState:
-    """The state of ``run.ckpt`` (weights and optimizer loaded), refused if from another schedule."""
+    """The state of ``run.ckpt`` (weights and optimizer loaded); refused from another schedule."""
     state, meta = load_checkpoint(run.ckpt, run.model, run.opt)
     if (
         meta.get("total_steps") != run.total_steps
@@ -334,38 +331,25 @@ def run_epochs(
     on_progress: Callable[[dict[str, Any]], None] | None,
 ) -> bool:
     """Optimizer steps until the last epoch ends (True) or ``max_steps`` is reached (False).
-    Checkpoints every ``checkpoint_every_steps`` and after each epoch."""
+    Checkpoints every ``checkpoint_every_steps`` and after each epoch. One step is in flight
+    (:class:`~eagle3.train.progress.StepQueue`): its metrics are read once the next is queued."""
     tc, d = run.cfg.train, run.d
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if run.dev.type == "cuda"
-        else torch.autocast("cpu", enabled=False)
-    )
+    autocast = make_autocast(run.dev, run.impl)
     run.model.train()
+    queue = StepQueue(state, run.total_steps, on_progress if d.main else None)
     while state.epoch < tc.epochs:
         batches = epoch_batches(run.ds, tc.token_budget, tc.seed, state.epoch)
         while state.batch_in_epoch < len(batches):
             if max_steps is not None and state.step >= max_steps:
+                queue.settle()
                 return False
             step_batches = batches[state.batch_in_epoch : state.batch_in_epoch + run.group]
             lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio)
-            r = optimizer_step(run, step_batches, lr, autocast)
-            count_step(state, r, len(step_batches))
-            if on_progress is not None and d.main:
-                on_progress(
-                    {
-                        "step": state.step,
-                        "total_steps": run.total_steps,
-                        "epoch": state.epoch,
-                        "lr": lr,
-                        "loss": r.loss if r.finite else None,
-                        "grad_norm": r.grad_norm,
-                        "steps": r.stats,
-                        "skipped_nan": state.skipped_nan,
-                    }
-                )
+            queue.push(optimizer_step(run, step_batches, lr, autocast), lr, len(step_batches))
             if state.step % tc.checkpoint_every_steps == 0:
+                queue.settle()
                 run.save(state)
+        queue.settle()
         state.history.append(epoch_metrics(state))
         state.epoch += 1
         state.batch_in_epoch = 0
@@ -376,23 +360,33 @@ def run_epochs(
     return True
 
 
-def optimizer_step(run: Run, step_batches: list[list[int]], lr: float, autocast: Any) -> StepResult:
-    """One step on the global batch ``step_batches``: this rank's share of it, at learning rate ``lr``."""
+def make_autocast(dev: torch.device, impl: str) -> Any:
+    """bf16 autocast on CUDA. The fast step turns off autocast's weight-cast cache: each TTT
+    step casts the fp32 weights itself, so the backward of each cast hands its gradient to the
+    fp32 ``.grad`` (the steps' weight gradients add up in fp32, not in one cached bf16 copy)."""
+    if dev.type != "cuda":
+        return torch.autocast("cpu", enabled=False)
+    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=impl != "fast")
+
+
+def optimizer_step(
+    run: Run, step_batches: list[list[int]], lr: float, autocast: Any
+) -> StepResult | PendingStep:
+    """One step on the global batch ``step_batches``: this rank's share of it, at rate ``lr``."""
     tc, d, ds = run.cfg.train, run.d, run.ds
     mine = step_batches[d.rank :: d.world]  # up to grad_accum batches of this rank
-    micro = [make_batch([ds[i] for i in idx], run.head, run.dev, tc.max_seq_len) for idx in mine]
+    build = make_batch_fast if run.impl == "fast" else make_batch
+    micro = [build([ds[i] for i in idx], run.head, run.dev, tc.max_seq_len) for idx in mine]
     if tc.feature_noise > 0:
         for b in micro:
             add_feature_noise(b, tc.feature_noise)
     if not micro:  # the epoch's short last group: join the all-reduce with nothing counted
         micro = [
-            zero_weight(
-                make_batch([ds[i] for i in step_batches[0]], run.head, run.dev, tc.max_seq_len)
-            )
+            zero_weight(build([ds[i] for i in step_batches[0]], run.head, run.dev, tc.max_seq_len))
         ]
     for g in run.opt.param_groups:
         g["lr"] = lr
-    return train_step(
+    return train_step_async(
         run.net,
         run.opt,
         run.trainable,
@@ -402,35 +396,6 @@ def optimizer_step(run: Run, step_batches: list[list[int]], lr: float, autocast:
         tc.ttt_decay,
         tc.grad_clip,
         autocast,
-    )
-
-
-def count_step(state: TrainState, r: StepResult, n_batches: int) -> None:
-    """Advance the state past one step; too many non-finite steps in a row stop the run."""
-    if r.finite:
-        state.updates += 1
-        state.consecutive_nan = 0
-        accumulate(state, r.stats)
-    else:
-        state.skipped_nan += 1
-        state.consecutive_nan += 1
-    state.step += 1
-    state.batch_in_epoch += n_batches
-    if state.consecutive_nan >= MAX_CONSECUTIVE_NAN:
-        raise TrainingDiverged(
-            f"{state.consecutive_nan} non-finite steps in a row (last at step "
-            f"{state.step}, {state.skipped_nan} skipped in all): check the data / lr"
-        )
-
-
-def check_finite(state: TrainState, extract_dir: Path) -> None:
-    """Refuse to export a draft that (almost) never took a finite step."""
-    if state.step and state.updates >= MIN_FINITE_FRACTION * state.step and state.updates > 0:
-        return
-    raise TrainingDiverged(
-        f"only {state.updates} of {state.step} optimizer steps were finite (at least {MIN_FINITE_FRACTION:.0%} are "
-        f"required): the draft is not trained, nothing was exported or sealed. Check {extract_dir} for NaN/inf "
-        "states (extract drops them) and train.lr, then rerun train (delete its checkpoints/ to start over)"
     )
 
 

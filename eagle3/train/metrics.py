@@ -1,4 +1,4 @@
-"""Per-epoch metrics: loss and top-1 agreement per TTT step, in ``metrics.json`` and ``metrics.png``."""
+"""Per-epoch metrics: loss and top-1 agreement per TTT step (``metrics.json``, ``metrics.png``)."""
 
 from __future__ import annotations
 

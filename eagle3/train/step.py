@@ -1,10 +1,12 @@
-"""One optimizer step: the learning-rate schedule, AdamW, and the step over this rank's micro-batches."""
+"""One optimizer step: the LR schedule, AdamW, and the step over this rank's micro-batches.
+
+:func:`train_step` runs the reference (``eager``) step or the fast one
+(:mod:`eagle3.train.step_fast`), whichever the objective was built with."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from eagle3.draft import DraftModel
 from eagle3.train.batch import Batch
 from eagle3.train.distributed import Dist, grad_sync
+from eagle3.train.step_fast import Marks, PendingStep, StepResult, fast_train_step
 from eagle3.train.ttt import step_counts
 
 
@@ -26,8 +29,11 @@ def lr_at(step: int, total: int, base_lr: float, warmup_ratio: float) -> float:
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def make_optimizer(model: DraftModel, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW, betas 0.9/0.95, no weight decay on norms (1-d parameters)."""
+def make_optimizer(
+    model: DraftModel, lr: float, weight_decay: float, fused: bool = False
+) -> torch.optim.AdamW:
+    """AdamW, betas 0.9/0.95, no weight decay on norms (1-d parameters). ``fused``: one kernel
+    for all parameters (CUDA; same state names and maths, so checkpoints move between both)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.dim() >= 2]
     no_decay = [p for n, p in params if p.dim() < 2]
@@ -38,15 +44,8 @@ def make_optimizer(model: DraftModel, lr: float, weight_decay: float) -> torch.o
         ],
         lr=lr,
         betas=(0.9, 0.95),
+        fused=True if fused else None,
     )
-
-
-@dataclass
-class StepResult:
-    loss: float  # global weighted TTT loss (nan/inf: the step was skipped)
-    stats: list[dict]  # global, per TTT step: {loss, correct, count}
-    grad_norm: float
-    finite: bool  # the optimizer stepped
 
 
 def train_step(
@@ -59,13 +58,49 @@ def train_step(
     ttt_decay: float,
     grad_clip: float,
     autocast: contextlib.AbstractContextManager,
+    marks: Marks = None,
 ) -> StepResult:
     """One optimizer step on this rank's micro-batches; the global batch is all ranks' together.
 
     The per-step denominators (counted positions of the global batch) are all-reduced first, so
     each micro-batch's loss is its exact share of the global loss; x ``d.world`` undoes DDP's /
     FSDP's gradient averaging. A non-finite loss or gradient norm anywhere skips the step on every
-    rank alike (the all-reduced sums and the norm of the all-reduced gradients are the same on all)."""
+    rank alike (the all-reduced sums and the norm of the all-reduced gradients are the same on all).
+    ``marks(name)`` is called at the end of each phase (forward, backward, optimizer)."""
+    pending = train_step_async(
+        net, opt, params, micro, d, ttt_steps, ttt_decay, grad_clip, autocast, marks
+    )
+    return pending if isinstance(pending, StepResult) else pending.resolve()
+
+
+def resolve_step_impl(setting: str, dev: torch.device) -> str:
+    """``train.step_impl``: ``auto`` is ``fast`` on every device (measured faster on CUDA and
+    on CPU: docs/benchmarks.md, "Train stage")."""
+    return "fast" if setting == "auto" else setting
+
+
+def step_impl(net: nn.Module) -> str:
+    """``eager`` or ``fast``: what the TTT objective (under DDP: its ``.module``) was built with."""
+    return getattr(getattr(net, "module", net), "impl", "eager")
+
+
+def train_step_async(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    micro: list[Batch],
+    d: Dist,
+    ttt_steps: int,
+    ttt_decay: float,
+    grad_clip: float,
+    autocast: contextlib.AbstractContextManager,
+    marks: Marks = None,
+) -> StepResult | PendingStep:
+    """:func:`train_step`, the fast step's metrics left on their way to the host."""
+    if step_impl(net) == "fast":
+        args = (ttt_steps, ttt_decay, grad_clip, autocast, marks)
+        return fast_train_step(net, opt, params, micro, d, *args)
+    mark = marks or (lambda _name: None)
     counts = sum(step_counts(b, ttt_steps) for b in micro)
     if d.world > 1:
         dist.all_reduce(counts)
@@ -77,7 +112,9 @@ def train_step(
         with grad_sync(net, d, j == len(micro) - 1):
             with autocast:
                 loss, stats = net(b, denom)
+            mark("forward")
             (loss * d.world).backward()
+            mark("backward")
         sums += torch.tensor(
             [[s["sum"] for s in stats], [s["correct"] for s in stats], [s["count"] for s in stats]],
             dtype=torch.float64,
@@ -100,4 +137,5 @@ def train_step(
     if finite:
         opt.step()
     opt.zero_grad(set_to_none=True)
+    mark("optimizer")
     return StepResult(total, per_step, gnorm, finite)

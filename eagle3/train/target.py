@@ -85,7 +85,8 @@ def init_head_from_target(
     ids = draft_ids.to(torch.int64)
     if head.shape[1] != model.lm_head.weight.shape[1] or norm.shape != model.norm.weight.shape:
         raise ValueError(
-            f"train.head_init=target needs the draft's hidden size ({model.lm_head.weight.shape[1]}) "
+            "train.head_init=target needs the draft's hidden size "
+            f"({model.lm_head.weight.shape[1]}) "
             f"to equal the target's ({head.shape[1]}); set train.head_init=random"
         )
     with torch.no_grad():

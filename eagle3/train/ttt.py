@@ -1,11 +1,11 @@
-"""The training-time test (TTT): the draft unrolled over ``ttt_steps`` of its own guesses, and its loss.
+"""The training-time test (TTT): the draft unrolled over ``ttt_steps`` of its own guesses; its loss.
 
 Alignment (the exact shift; ``x`` = input_ids, ``a`` = aux, ``f`` = final, ``m`` = loss_mask of
 one sample of length T; ``P(f_u)`` = target distribution from ``f_u``, i.e. over token u+1)::
 
     TTT step i (i = 0..K-1), draft position t (t = 0..T-1):
         hidden input   step 0: fc(a_t);  step i>0: out_{i-1}[t]   (the previous step's pre-norm out)
-        input token    x_{t+1+i}                                   (0 when t+1+i >= T, masked anyway)
+        input token    x_{t+1+i}                                   (0 when t+1+i >= T, masked)
         RoPE position  t + i                                       (as vLLM's proposer: +1 per step)
         target         P(f_{t+1+i})                                (the distribution of token t+2+i)
         counted iff    t+2+i < T  and  m[t+2+i]  and  argmax P_full(f_{t+1+i}) in the draft vocab
@@ -110,15 +110,26 @@ class TTTObjective(nn.Module):
     """The draft and its TTT loss as one module, so that one ``forward`` is one training forward.
 
     The unroll calls the draft ``ttt_steps`` times; DDP and FSDP expect their root module to run
-    once per backward, so they wrap this instead of the draft (the draft is ``.draft``)."""
+    once per backward, so they wrap this instead of the draft (the draft is ``.draft``).
+    ``impl``: ``eager`` (:func:`ttt_loss`, per-step stats as dicts) or ``fast``
+    (:func:`eagle3.train.ttt_fast.fast_ttt_loss`, stats as a [3, K] device tensor)."""
 
-    def __init__(self, draft: DraftModel, ttt_steps: int, ttt_decay: float) -> None:
+    def __init__(
+        self, draft: DraftModel, ttt_steps: int, ttt_decay: float, impl: str = "eager"
+    ) -> None:
         super().__init__()
+        if impl not in ("eager", "fast"):
+            raise ValueError(f"train.step_impl must be eager or fast, got {impl!r}")
         self.draft = draft
         self.ttt_steps = ttt_steps
         self.ttt_decay = ttt_decay
+        self.impl = impl
 
     def forward(
         self, batch: Batch, denom: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[dict]]:
+    ) -> tuple[torch.Tensor, list[dict] | torch.Tensor]:
+        if self.impl == "fast":
+            from eagle3.train.ttt_fast import fast_ttt_loss
+
+            return fast_ttt_loss(self.draft, batch, self.ttt_steps, self.ttt_decay, denom)
         return ttt_loss(self.draft, batch, self.ttt_steps, self.ttt_decay, denom)

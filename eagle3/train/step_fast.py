@@ -1,0 +1,129 @@
+"""The fast optimizer step: :func:`eagle3.train.step.train_step`'s semantics with no host sync.
+
+Everything the reference step reads on the host inside the step (per-TTT-step ``int``/``float``
+of the loss sums, the gradient norm before deciding to step) stays on the device here: the
+NaN guard becomes fused AdamW's ``found_inf`` (the update and its step count are skipped on the
+device when the loss or the gradient norm is not finite, as the reference skips ``opt.step()``),
+and the metrics are one packed tensor copied to the host without blocking. The caller reads them
+through :meth:`PendingStep.resolve` when it needs them (the train loop: after it has queued the
+next step, so the GPU never waits for the host). Without a fused optimizer on CUDA (CPU runs)
+the guard reads the flag on the host, which costs nothing there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from eagle3.train.batch import Batch
+from eagle3.train.distributed import Dist, grad_sync
+from eagle3.train.ttt_fast import fast_counts
+
+Marks = Callable[[str], None] | None
+
+
+@dataclass
+class StepResult:
+    loss: float  # global weighted TTT loss (nan/inf: the step was skipped)
+    stats: list[dict]  # global, per TTT step: {loss, correct, count}
+    grad_norm: float
+    finite: bool  # the optimizer stepped
+
+
+class PendingStep:
+    """A step's metrics on their way to the host (packed: total, grad norm, finite, sums)."""
+
+    def __init__(
+        self, total: torch.Tensor, sums: torch.Tensor, gnorm: torch.Tensor, finite: torch.Tensor
+    ) -> None:
+        self.ttt_steps = sums.shape[1]
+        packed = torch.cat(
+            [total.view(1), gnorm.double().view(1), finite.double().view(1), sums.flatten()]
+        )
+        self.event = None
+        if packed.is_cuda:
+            packed = packed.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.packed = packed
+
+    def resolve(self, ttt_decay: float | None = None) -> StepResult:
+        """Wait for this step only (not for what was queued after it) and read its metrics."""
+        if self.event is not None:
+            self.event.synchronize()
+        v = self.packed.tolist()
+        k = self.ttt_steps
+        ce, correct, count = v[3 : 3 + k], v[3 + k : 3 + 2 * k], v[3 + 2 * k :]
+        per_step = [
+            {"loss": ce[i] / max(count[i], 1.0), "correct": int(correct[i]), "count": int(count[i])}
+            for i in range(k)
+        ]
+        total, gnorm = v[0], v[1]
+        finite = bool(v[2]) and math.isfinite(total) and math.isfinite(gnorm)
+        return StepResult(total, per_step, gnorm, finite)
+
+
+def step_if_finite(opt: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """``opt.step()`` only where ``finite``: on the device for a fused optimizer (its
+    ``found_inf``, as GradScaler uses it: no update, step count unchanged), else on the host."""
+    fused = all(g.get("fused") for g in opt.param_groups)
+    if fused and finite.is_cuda:
+        opt.found_inf = (~finite).float()  # type: ignore[attr-defined]
+        opt.step()
+    elif bool(finite):
+        opt.step()
+
+
+def fast_train_step(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    micro: list[Batch],
+    d: Dist,
+    ttt_steps: int,
+    ttt_decay: float,
+    grad_clip: float,
+    autocast: contextlib.AbstractContextManager,
+    marks: Marks = None,
+) -> PendingStep:
+    """One optimizer step on this rank's micro-batches (the reference step's semantics: the
+    per-step denominators of the global batch all-reduced first, x ``d.world`` against the
+    gradient averaging, a non-finite loss or norm skips the step on every rank alike)."""
+    mark = marks or (lambda _name: None)
+    counts = sum(fast_counts(b, ttt_steps) for b in micro)
+    if d.world > 1:
+        dist.all_reduce(counts)
+    denom = counts.clamp(min=1).float()
+    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=counts.device)
+    for j, b in enumerate(micro):
+        with grad_sync(net, d, j == len(micro) - 1):
+            with autocast:
+                loss, stats = net(b, denom)
+            mark("forward")
+            (loss * d.world).backward()
+            mark("backward")
+        sums += stats
+    if d.world > 1:
+        dist.all_reduce(sums)
+    decay = torch.tensor(
+        [ttt_decay**i for i in range(ttt_steps)], dtype=torch.float64, device=sums.device
+    )
+    total = (decay * sums[0] / sums[2].clamp(min=1)).sum()
+    gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if isinstance(gnorm, DTensor):
+        gnorm = gnorm.full_tensor()
+    finite = torch.isfinite(total) & torch.isfinite(gnorm)
+    step_if_finite(opt, finite)
+    opt.zero_grad(set_to_none=True)
+    mark("optimizer")
+    return PendingStep(total, sums, gnorm, finite)
+
+
+__all__ = ["Marks", "PendingStep", "StepResult", "fast_train_step", "step_if_finite"]

@@ -1,0 +1,107 @@
+"""The fast TTT step: the same unroll and loss as :mod:`eagle3.train.ttt`, computed without waste.
+
+Same alignment, attention pattern, loss, weights and denominators as the reference
+(:func:`eagle3.train.ttt.ttt_loss`, kept as ``train.step_impl: eager``); what differs is how:
+
+- attention: step 0 is causal SDPA; step i >= 1 is one causal SDPA over step 0's keys with the
+  i diagonals folded in (:mod:`eagle3.draft.ttt_attention`): no ``[T, (i+1)T]`` mask, no
+  growing K/V concatenation, the causal kernels (flash) instead of a masked one.
+- targets: step i's target is step 0's shifted by i+1 rows, read as a view with that offset
+  (``probs[:, k:]`` against ``logits[:, :L-k]``) instead of a shifted copy of the
+  ``[B, L, D]`` float32 distribution per step; the target distribution itself is computed once
+  per batch (:func:`eagle3.train.batch.make_batch`).
+- loss: :class:`SoftCrossEntropy` computes ``lse(x) sum(P) - P.x`` and its gradient
+  ``(softmax(x) sum(P) - P) g`` directly: no float32 log-softmax kept per step.
+- metrics: per-step sums (CE, correct, count) stay on the device as one ``[3, K]`` tensor; no
+  ``int()``/``float()`` inside the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.draft import DraftModel
+from eagle3.draft.ttt_attention import TTTPrefix
+from eagle3.train.batch import Batch, shift_left
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """Row-wise ``-sum_d P_d log softmax(x)_d`` for logits x [.., D] (any float dtype) and a
+    target distribution P [.., D] (float32; a view is fine: it is saved, never copied)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, logits: torch.Tensor, probs: torch.Tensor
+    ) -> torch.Tensor:
+        x = logits.float()
+        lse = torch.logsumexp(x, dim=-1)
+        psum = probs.sum(-1)
+        ce = lse * psum - (x * probs).sum(-1)
+        ctx.save_for_backward(logits, probs, lse, psum)
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        logits, probs, lse, psum = ctx.saved_tensors
+        g = torch.exp(logits.float() - lse.unsqueeze(-1)) * psum.unsqueeze(-1) - probs
+        return (g * grad.unsqueeze(-1)).to(logits.dtype), None
+
+
+def fast_unroll(model: DraftModel, batch: Batch, ttt_steps: int):
+    """Yield (step i, logits [B, L, D]) of the unrolled draft (the reference's unroll, with the
+    step-0 keys + diagonals attention of :class:`TTTPrefix` instead of a mask and a KV concat)."""
+    L = batch.input_ids.shape[1]
+    pos = torch.arange(L, device=batch.input_ids.device)
+    hidden = batch.aux
+    prefix: TTTPrefix | None = None
+    for i in range(ttt_steps):
+        ids = shift_left(batch.input_ids, 1 + i)
+        out, logits, kv = model(ids, hidden, position_ids=pos + i, past_kv=prefix, use_cache=True)
+        yield i, logits
+        if i + 1 < ttt_steps:
+            prefix = TTTPrefix.start(kv, ttt_steps) if prefix is None else prefix.extend(kv)
+        hidden = out
+
+
+def fast_counts(batch: Batch, ttt_steps: int) -> torch.Tensor:
+    """Counted positions of each TTT step, int64 [ttt_steps], on the device (no copies)."""
+    ok = batch.target_ok
+    return torch.stack([ok[:, 1 + i :].sum() for i in range(ttt_steps)])
+
+
+def fast_ttt_loss(
+    model: DraftModel,
+    batch: Batch,
+    ttt_steps: int,
+    ttt_decay: float,
+    denom: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss, per-step sums [3, K] float64 on the device: CE sum, correct, count).
+
+    Step i's loss is its CE summed over counted positions over ``denom[i]`` (default: this
+    batch's count), as :func:`eagle3.train.ttt.ttt_loss`."""
+    L = batch.input_ids.shape[1]
+    dev = batch.input_ids.device
+    if denom is None:
+        denom = fast_counts(batch, ttt_steps).clamp(min=1).float()
+    total = torch.zeros((), device=dev)
+    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=dev)
+    for i, logits in fast_unroll(model, batch, ttt_steps):
+        k = 1 + i
+        if k >= L:  # nothing left to predict (a batch shorter than the unroll)
+            total = total + 0.0 * logits.sum()
+            continue
+        lg = logits[:, : L - k]
+        ok = batch.target_ok[:, k:]
+        ce = SoftCrossEntropy.apply(lg, batch.probs[:, k:])
+        ce_sum = (ce * ok).sum()
+        total = total + (ttt_decay**i) * (ce_sum / denom[i])
+        with torch.no_grad():
+            correct = ((lg.argmax(-1) == batch.target_arg[:, k:]) & ok).sum()
+            sums[:, i] = torch.stack(
+                [ce_sum.detach().double(), correct.double(), ok.sum().double()]
+            )
+    return total, sums
+
+
+__all__ = ["SoftCrossEntropy", "fast_counts", "fast_ttt_loss", "fast_unroll"]
