@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from eagle3 import PROJECT_ROOT as ROOT
-from eagle3.artifacts import STAGES
+from eagle3.stages import NAMES as STAGES
 from flows.hero_run import HeroRunParams, hero_run, load_params
 
 

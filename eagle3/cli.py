@@ -190,28 +190,16 @@ def generate(
         TimeRemainingColumn,
     )
 
-    from eagle3 import artifacts
     from eagle3.embedded import EmbeddedModelError
-    from eagle3.generate.profile import profile_concurrency
     from eagle3.generate.runner import ServerUnavailable
-    from eagle3.generate.runner import generate as run_generate
     from eagle3.serving.readiness import ServerError
+    from eagle3.stages import run_stage, stage_key
 
     cfg = _load(config, set_)
-    gen_key = artifacts.stage_key(cfg, "generate")
-    out = out or cfg.paths.artifact_dir("generate", gen_key)
+    out = out or cfg.paths.artifact_dir("generate", stage_key(cfg, "generate"))
     tokenizer = _tokenizer_path(cfg)
     try:
         with _served(cfg, base_url) as urls:
-            concurrency = cfg.generate.concurrency
-            if concurrency == "auto":
-                report = profile_concurrency(cfg, urls, out / "profile")
-                concurrency = report["knee"]
-                typer.echo(
-                    f"concurrency auto -> {concurrency} (best {report['best']}, "
-                    f"{report['best_tokens_per_s']:.0f} tok/s)",
-                    err=True,
-                )
             with Progress(
                 TextColumn("generate"),
                 BarColumn(),
@@ -230,13 +218,10 @@ def generate(
                         err=p.failed + p.skipped,
                     )
 
-                manifest = run_generate(
-                    cfg,
-                    urls,
-                    out,
-                    concurrency=concurrency,
-                    tokenizer_path=tokenizer,
-                    on_progress=show,
+                options = {"base_urls": urls, "tokenizer_path": tokenizer}
+                log = lambda m: typer.echo(m, err=True)  # noqa: E731
+                _, manifest, _ = run_stage(
+                    cfg, "generate", {}, out, on_progress=show, log=log, options=options
                 )
     except (ServerError, EmbeddedModelError, ServerUnavailable, ValueError, FileNotFoundError) as e:
         if isinstance(e, Eagle3Error):
@@ -245,7 +230,6 @@ def generate(
     except Interrupted as e:
         _saved(e, f"{_count_samples(out)} samples are saved in {out}")
         raise
-    artifacts.finish(cfg, "generate", gen_key, {}, out, manifest)
     run = manifest["this_run"]
     typer.echo(
         f"{out}: {manifest['totals']['samples']} samples in total; this run {run['counts']}, "
@@ -310,15 +294,12 @@ def extract(
         TimeRemainingColumn,
     )
 
-    from eagle3 import artifacts
     from eagle3.embedded import EmbeddedModelError, resolve_model
-    from eagle3.extract.runner import TokenizerMismatch, previous_extract
-    from eagle3.extract.runner import extract as run_extract
+    from eagle3.extract.runner import TokenizerMismatch
+    from eagle3.stages import run_stage
 
     cfg = _load(config, set_)
     generate_dir = generate_dir or cfg.paths.stage_dir("generate")
-    key, inputs, keyed = artifacts.plan_stage(cfg, "extract", {"generate": generate_dir})
-    out = out or keyed
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         with (
@@ -328,21 +309,21 @@ def extract(
             ) as bar,
         ):
             task = bar.add_task("extract", total=None)
-            manifest = run_extract(
+            out, m, _ = run_stage(
                 cfg,
-                generate_dir,
+                "extract",
+                {"generate": generate_dir},
                 out,
-                model,
+                model=model,
                 on_progress=lambda done, total: bar.update(task, completed=done, total=total),
-                reuse_from=previous_extract(cfg, out) if cfg.extract.reuse_previous else None,
             )
     except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError, GPUsBusy) as e:
         _fail(str(e))
-    artifacts.finish(cfg, "extract", key, inputs, out, manifest)
+    run = m["this_run"]
     typer.echo(
-        f"{out}: {manifest['samples']} samples, {manifest['tokens']} tokens, "
-        f"{manifest['bytes_per_token']} bytes/token ({manifest['storage_dtype']}), layers {manifest['aux_layers']}; "
-        f"this run: {manifest['this_run']['stored']} computed, {manifest['this_run']['reused']} reused"
+        f"{out}: {m['samples']} samples, {m['tokens']} tokens, {m['bytes_per_token']} bytes/token "
+        f"({m['storage_dtype']}), layers {m['aux_layers']}; "
+        f"this run: {run['stored']} computed, {run['reused']} reused"
     )
 
 
@@ -358,27 +339,18 @@ def vocab(
     ] = None,
 ) -> None:
     """Draft vocabulary (d2t/t2d) from the loss-carrying tokens of the training data."""
-    from eagle3 import artifacts
-    from eagle3.vocab import vocab_stage
+    from eagle3.stages import STAGES, run_stage
 
     cfg = _load(config, set_)
     extract_dir = extract_dir or cfg.paths.stage_dir("extract")
-    key, inputs, keyed = artifacts.plan_stage(cfg, "vocab", {"extract": extract_dir})
-    out = out or keyed
     try:
-        m = vocab_stage(
-            extract_dir,
-            out,
-            cfg.target.vocab_size,
-            cfg.vocab.draft_vocab_size,
-            {"target": cfg.target.model},
-        )
+        out, m, _ = run_stage(cfg, "vocab", {"extract": extract_dir}, out)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    artifacts.finish(cfg, "vocab", key, inputs, out, m)
     typer.echo(
-        f"{out}/vocab.safetensors: draft vocab {m['draft_vocab_size']} covers {m['coverage']:.2%} of "
-        f"{m['loss_tokens']} loss tokens ({m['distinct']} distinct, {m['padded']} padded)"
+        f"{STAGES['vocab'].file(out, 'vocab')}: draft vocab {m['draft_vocab_size']} covers "
+        f"{m['coverage']:.2%} of {m['loss_tokens']} loss tokens ({m['distinct']} distinct, "
+        f"{m['padded']} padded)"
     )
 
 
@@ -451,7 +423,8 @@ def train(
         Path | None, typer.Option(help="Extract output (default: <run dir>/extract/latest).")
     ] = None,
     vocab_file: Annotated[
-        Path | None, typer.Option(help="Default: <run dir>/vocab/latest/vocab.safetensors.")
+        Path | None,
+        typer.Option(help="A vocab file (default: the one in <run dir>/vocab/latest)."),
     ] = None,
     out: Annotated[
         Path | None, typer.Option(help="Output folder (default: <run dir>/train/<key>).")
@@ -459,20 +432,17 @@ def train(
 ) -> None:
     """Train the EAGLE-3 draft (TTT unroll) on the stored hidden states; export it for vLLM.
 
-    Several GPUs: `torchrun --nproc-per-node N -m eagle3.cli train -c PROFILE` (train.distributed:
-    ddp or fsdp; docs/train.md)."""
-    from eagle3 import artifacts
+    Several GPUs: train.nproc_per_node=N starts N local ranks under torchrun, as in the hero run;
+    or `torchrun --nproc-per-node N -m eagle3.cli train -c PROFILE` (train.distributed: ddp or
+    fsdp; docs/train.md)."""
     from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.stages import run_stage
     from eagle3.train import TrainingDiverged
-    from eagle3.train import train as run_train
 
     cfg = _load(config, set_)
     extract_dir = extract_dir or cfg.paths.stage_dir("extract")
-    vocab_file = vocab_file or cfg.paths.stage_dir("vocab") / "vocab.safetensors"
-    key, inputs, keyed = artifacts.plan_stage(
-        cfg, "train", {"extract": extract_dir, "vocab": vocab_file.parent}
-    )
-    out = out or keyed
+    vocab_dir = vocab_file.parent if vocab_file else cfg.paths.stage_dir("vocab")
+    options = {"vocab_file": vocab_file} if vocab_file else {}
 
     def progress(p: dict) -> None:
         if p["step"] % 10 == 0 or p["step"] == p["total_steps"]:
@@ -484,11 +454,18 @@ def train(
             )
 
     try:
-        target_dir = resolve_model(
-            cfg.target.model, cfg.paths.cache_dir
-        )  # a hub id: see eagle3.target_checkpoint.checkpoint_dir
+        # a hub id: see eagle3.target_checkpoint.checkpoint_dir
+        target_dir = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         with units_restored(cfg):
-            m = run_train(cfg, extract_dir, vocab_file, target_dir, out, on_progress=progress)
+            out, m, _ = run_stage(
+                cfg,
+                "train",
+                {"extract": extract_dir, "vocab": vocab_dir},
+                out,
+                model=target_dir,
+                on_progress=progress,
+                options=options,
+            )
     except (
         EmbeddedModelError,
         TrainingDiverged,
@@ -500,7 +477,6 @@ def train(
         _fail(str(e))
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 wrote everything and reports
         return
-    artifacts.finish(cfg, "train", key, inputs, out, m)
     final = m["final"] or {}
     typer.echo(
         f"{m['export']}: {m['steps']} steps ({m['skipped_nan']} skipped), final top-1 per step "
@@ -514,7 +490,7 @@ def verify(
     set_: SetOpt = None,
     draft: Annotated[
         Path | None,
-        typer.Option(help="Exported draft (default: <run dir>/train/latest/vllm-draft)."),
+        typer.Option(help="Exported draft (default: the one in <run dir>/train/latest)."),
     ] = None,
     out: Annotated[
         Path | None, typer.Option(help="Output folder (default: <run dir>/verify/<key>).")
@@ -523,16 +499,14 @@ def verify(
     """Baseline server vs target + draft: acceptance (vLLM counters), speedup, greedy match, gate."""
     from rich.progress import Progress
 
-    from eagle3 import artifacts
     from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.stages import run_stage
     from eagle3.verify import GateFailed
-    from eagle3.verify import verify as run_verify
     from eagle3.verify.workload import WorkloadError
 
     cfg = _load(config, set_)
-    draft = draft or cfg.paths.stage_dir("train") / "vllm-draft"
-    key, inputs, keyed = artifacts.plan_stage(cfg, "verify", {"train": draft.parent})
-    out = out or keyed
+    train_dir = draft.parent if draft else cfg.paths.stage_dir("train")
+    options = {"draft_dir": draft} if draft else {}
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         with units_restored(cfg), Progress(transient=False) as bar:
@@ -544,12 +518,20 @@ def verify(
                     tasks[key] = bar.add_task(f"{label} c={c}", total=requests)
                 bar.update(tasks[key], completed=done)
 
-            r = run_verify(cfg, model, draft, out, log=bar.console.print, on_progress=progress)
+            out, r, _ = run_stage(
+                cfg,
+                "verify",
+                {"train": train_dir},
+                out,
+                model=model,
+                on_progress=progress,
+                log=bar.console.print,
+                options=options,
+            )
     except GateFailed as e:
         _fail(str(e))
     except (EmbeddedModelError, WorkloadError, ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
-    artifacts.finish(cfg, "verify", key, inputs, out, r)
     typer.echo((out / "report.md").read_text())
 
 

@@ -21,6 +21,16 @@ from eagle3.errors import ConfigError  # noqa: F401  (re-exported: eagle3.config
 
 EMBEDDED_PREFIX = "embedded:"
 
+# Cache keys (eagle3/stages.py): every field of a stage's own section keys that stage's artifacts
+# unless it is marked UNKEYED: it changes how or where the stage runs, not what it writes (ports,
+# timeouts, concurrency, batch sizes, retries). A serve field keys the stages its keys_stages()
+# mark names, and no other.
+UNKEYED: dict[str, Any] = {"cache_key": False}
+
+
+def keys_stages(*stages: str) -> dict[str, Any]:
+    return {"cache_key_stages": list(stages)}
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -128,18 +138,24 @@ class ServeConfig(_Section):
         description="Interpreter of the serving venv (entrypoint=module).",
     )
     vllm_bin: str = Field("vllm", description="The vllm console script (entrypoint=cli).")
-    max_model_len: int | None = Field(None, gt=0)
-    dtype: str = "auto"
-    tensor_parallel_size: int = Field(1, ge=1)
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    chat_template: str | None = None
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    enforce_eager: bool = False
+    max_model_len: int | None = Field(
+        None, gt=0, json_schema_extra=keys_stages("generate", "extract", "verify")
+    )
+    dtype: str = Field("auto", json_schema_extra=keys_stages("generate", "extract", "verify"))
+    tensor_parallel_size: int = Field(1, ge=1, json_schema_extra=keys_stages("verify"))
+    reasoning_parser: str | None = Field(None, json_schema_extra=keys_stages("generate", "verify"))
+    tool_call_parser: str | None = Field(None, json_schema_extra=keys_stages("generate", "verify"))
+    chat_template: str | None = Field(None, json_schema_extra=keys_stages("generate", "verify"))
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, json_schema_extra=keys_stages("verify")
+    )
+    enforce_eager: bool = Field(False, json_schema_extra=keys_stages("verify"))
     speculative_config: dict[str, Any] | None = None
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list, json_schema_extra=keys_stages("verify"))
     env: dict[str, str] = Field(
-        default_factory=dict, description="Extra environment for the server process."
+        default_factory=dict,
+        description="Extra environment for the server process.",
+        json_schema_extra=keys_stages("verify"),
     )
     unit: str | None = Field(None, description="systemd backend: the unit name.")
     stop_running_unit: bool = Field(
@@ -188,11 +204,15 @@ class GenerateConfig(_Section):
         "turns (verify's default workload), whitespace and case ignored.",
     )
     endpoints: list[str] = Field(
-        default_factory=list, description="Extra server base URLs for scale-out."
+        default_factory=list,
+        description="Extra server base URLs for scale-out.",
+        json_schema_extra=UNKEYED,
     )
-    balancing: Literal["least_loaded", "round_robin"] = "least_loaded"
-    concurrency: int | Literal["auto"] = 32
-    concurrency_ceiling: int = Field(200, gt=0)
+    balancing: Literal["least_loaded", "round_robin"] = Field(
+        "least_loaded", json_schema_extra=UNKEYED
+    )
+    concurrency: int | Literal["auto"] = Field(32, json_schema_extra=UNKEYED)
+    concurrency_ceiling: int = Field(200, gt=0, json_schema_extra=UNKEYED)
     max_tokens: int = Field(2048, gt=0)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -203,23 +223,34 @@ class GenerateConfig(_Section):
         1800,
         gt=0,
         description="Per request. The OpenAI client's 600 s default killed long reasoning.",
+        json_schema_extra=UNKEYED,
     )
-    connect_timeout_s: float = Field(30, gt=0)
-    max_attempts: int = Field(5, ge=1)
-    backoff_base_s: float = Field(1.0, ge=0)
-    backoff_max_s: float = Field(60.0, ge=0)
+    connect_timeout_s: float = Field(30, gt=0, json_schema_extra=UNKEYED)
+    max_attempts: int = Field(5, ge=1, json_schema_extra=UNKEYED)
+    backoff_base_s: float = Field(1.0, ge=0, json_schema_extra=UNKEYED)
+    backoff_max_s: float = Field(60.0, ge=0, json_schema_extra=UNKEYED)
     length_check: bool = Field(
         True, description="On a 400, ask the server's /tokenize whether the prompt is too long."
     )
     retry_rejected: bool = Field(
-        False, description="Rerun prompts the server rejected before (400) or that were skipped."
+        False,
+        description="Rerun prompts the server rejected before (400) or that were skipped.",
+        json_schema_extra=UNKEYED,
     )
-    shard_size: int = Field(1000, gt=0)
-    profile_levels: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 200])
-    profile_prompts: int = Field(64, gt=0, description="Prompts per level in a concurrency sweep.")
-    profile_max_tokens: int = Field(128, gt=0)
+    shard_size: int = Field(1000, gt=0, json_schema_extra=UNKEYED)
+    profile_levels: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 200], json_schema_extra=UNKEYED
+    )
+    profile_prompts: int = Field(
+        64, gt=0, description="Prompts per level in a concurrency sweep.", json_schema_extra=UNKEYED
+    )
+    profile_max_tokens: int = Field(128, gt=0, json_schema_extra=UNKEYED)
     profile_knee: float = Field(
-        0.97, gt=0, le=1, description="Pick the smallest level within this share of the best."
+        0.97,
+        gt=0,
+        le=1,
+        description="Pick the smallest level within this share of the best.",
+        json_schema_extra=UNKEYED,
     )
 
     @field_validator("concurrency")
@@ -242,12 +273,18 @@ class ExtractConfig(_Section):
     truncation: Literal["truncate", "skip"] = Field(
         "truncate", description="what to do with longer samples"
     )
-    token_budget: int = Field(8192, gt=0, description="tokens per forward batch (padded)")
-    samples_per_shard: int = Field(256, gt=0)
-    chunk_samples: int = Field(512, gt=0, description="samples read and bucketed at once")
-    device: str = "auto"
+    token_budget: int = Field(
+        8192, gt=0, description="tokens per forward batch (padded)", json_schema_extra=UNKEYED
+    )
+    samples_per_shard: int = Field(256, gt=0, json_schema_extra=UNKEYED)
+    chunk_samples: int = Field(
+        512, gt=0, description="samples read and bucketed at once", json_schema_extra=UNKEYED
+    )
+    device: str = Field("auto", json_schema_extra=UNKEYED)
     dtype: str = Field("auto", description="compute dtype: auto = bf16 on CUDA, float32 on CPU")
-    vllm_concurrency: int = Field(8, gt=0, description="vllm backend: requests in flight")
+    vllm_concurrency: int = Field(
+        8, gt=0, description="vllm backend: requests in flight", json_schema_extra=UNKEYED
+    )
     dataset_answers: int = Field(
         0,
         ge=0,
@@ -259,6 +296,7 @@ class ExtractConfig(_Section):
         True,
         description="Copy the samples the latest extract with the same settings "
         "already stored (same id and tokens) instead of computing them again.",
+        json_schema_extra=UNKEYED,
     )
 
 
@@ -307,20 +345,22 @@ class TrainConfig(_Section):
         "targets read at an offset, no host sync in the step, fused AdamW on CUDA; eager: the "
         "reference (dense TTT mask); the same loss and gradients to rounding (docs/train.md). "
         "auto: fast.",
+        json_schema_extra=UNKEYED,  # how the step computes, not what it trains
     )
-    checkpoint_every_steps: int = Field(500, gt=0)
+    checkpoint_every_steps: int = Field(500, gt=0, json_schema_extra=UNKEYED)
     # Under torchrun (WORLD_SIZE > 1): how the draft is replicated. "ddp" keeps a full copy per
     # rank; "fsdp" shards the trainable weights, grads and AdamW state (docs/train.md, Distributed).
-    distributed: Literal["ddp", "fsdp"] = "ddp"
+    distributed: Literal["ddp", "fsdp"] = Field("ddp", json_schema_extra=UNKEYED)
     # Batches (of token_budget each) per rank per optimizer step: the global batch of one step is
     # world_size x grad_accum batches, so a run on W ranks is reproduced (and resumed) on one
     # process with grad_accum = W.
-    grad_accum: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1, json_schema_extra=UNKEYED)
     nproc_per_node: int = Field(
         1,
         ge=1,
-        description="The hero run's train task starts "
-        "this many local ranks with torchrun (one per GPU); 1 trains in-process.",
+        description="The train stage (eagle3 train and the hero run alike) starts this many "
+        "local ranks with torchrun (one per GPU); 1 trains in-process.",
+        json_schema_extra=UNKEYED,
     )
 
 
@@ -346,7 +386,7 @@ class VerifyConfig(_Section):
     seed: int = 0
     concurrency: list[int] = Field(default_factory=lambda: [1, 8])
     warmup_requests: int = Field(2, ge=0)
-    timeout_s: float = Field(600, gt=0)
+    timeout_s: float = Field(600, gt=0, json_schema_extra=UNKEYED)
     min_acceptance_length: float = Field(1.0, ge=1)
     max_regression: float = Field(
         0.05,
@@ -372,16 +412,21 @@ class VerifyConfig(_Section):
     )
     offline_max_sequences: int = Field(32, gt=0)
     speculative_base_url: str | None = Field(
-        None, description="external backend: the speculative server."
+        None,
+        description="external backend: the speculative server.",
+        json_schema_extra=UNKEYED,
     )
     speculative_unit: str | None = Field(
-        None, description="systemd backend: the unit serving target + draft."
+        None,
+        description="systemd backend: the unit serving target + draft.",
+        json_schema_extra=UNKEYED,
     )
     candidate_link: str | None = Field(
         None,
         description="systemd backend: a stable path the speculative unit's "
         "--speculative-config names; verify points this symlink at the draft under "
         "test before starting the unit.",
+        json_schema_extra=UNKEYED,
     )
     # The free baseline every draft must beat: prompt lookup, vLLM's {"method": "ngram"} (docs/verify.md).
     ngram_baseline: bool = Field(

@@ -7,7 +7,7 @@ Works without a Prefect server (Prefect starts a temporary one); `make ui` runs 
 prepare-model -> [serve -> smoke chat, only if generate has prompts to request] -> generate ->
 (server stopped) -> extract -> vocab -> train -> verify.
 
-Each stage writes ``<run dir>/<stage>/<key>/`` (eagle3/artifacts.py says what each key hashes);
+Each stage writes ``<run dir>/<stage>/<key>/`` (eagle3/stages.py says what each key hashes);
 a stage whose folder is complete is a cache hit and does not run, so rerunning after a failure
 redoes only the failed stage and what depends on it, and an unchanged rerun starts no server
 at all. ``stages`` runs a subset (the others are read from their ``latest`` artifacts: "train
@@ -28,9 +28,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3 import PROJECT_ROOT, artifacts
+from eagle3 import PROJECT_ROOT, artifacts, stages
 from eagle3.atomic import write_json_atomic
 from eagle3.config import ConfigError, PipelineConfig, load_config
+from eagle3.generate.status import generate_status
 from eagle3.serving.gpus import units_restored
 from tasks.caching import StageCall, call_stage
 from tasks.extract import extract_task
@@ -42,7 +43,7 @@ from tasks.verify import verify_task
 from tasks.vocab import vocab_task
 
 Stage = Literal["generate", "extract", "vocab", "train", "verify"]
-ALL_STAGES: list[Stage] = list(artifacts.STAGES)
+ALL_STAGES: list[Stage] = list(stages.NAMES)
 DEFAULT_PROFILE = "configs/smollm2-cpu.yaml"
 
 
@@ -155,7 +156,6 @@ def _run_stage(
     task: Any,
     cfg: PipelineConfig,
     key: str,
-    inputs: dict[str, str],
     forced: set[str],
     refresh: bool | None = None,
     **kwargs: Any,
@@ -163,16 +163,10 @@ def _run_stage(
     out_dir = cfg.paths.artifact_dir(stage, key)
     if refresh is None:
         refresh = _prepare_folder(stage, out_dir, key, forced)
+    # the task runs the stage through eagle3.stages.run_stage, which seals the folder
     call = call_stage(task, cfg, stage, out_dir, refresh, **kwargs)
-    if call.status == "ran" or artifacts.read_marker(out_dir) is None:
-        artifacts.seal(
-            out_dir,
-            stage,
-            key,
-            inputs,
-            result=artifacts.summary(cfg, stage, call.result, out_dir, inputs),
-            config=artifacts.stage_config(cfg, stage),
-        )
+    if artifacts.read_marker(out_dir) is None:
+        raise RuntimeError(f"{stage}: {out_dir} has no {artifacts.MARKER} after the task")
     artifacts.set_latest(cfg, stage, key)
     call.result = {**(artifacts.read_marker(out_dir) or {}).get("result", {}), "task": call.result}
     return call
@@ -183,10 +177,10 @@ def _generate(
 ) -> tuple[StageCall, dict]:
     """Generate, deciding before any server starts whether there is anything to request."""
     logger = get_run_logger()
-    key = artifacts.stage_key(cfg, "generate")
+    key = stages.stage_key(cfg, "generate")
     out_dir = cfg.paths.artifact_dir("generate", key)
     refresh = _prepare_folder("generate", out_dir, key, forced)
-    status = artifacts.generate_status(cfg, key)
+    status = generate_status(cfg, key)
     needs_server = status.pending > 0 or not (out_dir / "manifest.json").is_file()
     logger.info(
         "generate: %d prompts selected, %d in the folder, %d to request, %d rejected for good%s",
@@ -203,7 +197,6 @@ def _generate(
         generate_task,
         cfg,
         key,
-        {},
         forced,
         refresh=refresh or not status.up_to_date,
         selection=status.selection,
@@ -326,7 +319,7 @@ def hero_run(params: HeroRunParams = DEFAULT_PARAMS) -> dict[str, Any]:
 
 def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[str, Any]:
     selected = set(params.stages)
-    forced = artifacts.dependants(params.force) & selected
+    forced = stages.dependants(params.force) & selected
     logger = get_run_logger()
     logger.info(
         "hero run of profile %s (run dir %s): stages %s, forced %s",
@@ -364,52 +357,28 @@ def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[
             summary["smoke_chat"] = server.smoke.to_dict() if server.smoke else None
             server.stop()  # one server at a time: extract (vllm backend) and verify start their own
 
-        def stage(name: str, task: Any, inputs: dict[str, str], **kwargs: Any) -> StageCall:
+        def stage(name: str, task: Any, **kwargs: Any) -> StageCall:
+            """One stage on its inputs' folders (the stage reads what it needs from them)."""
             nonlocal current
             current = name
             if name not in selected:
                 return _use_latest(cfg, name)
-            return _run_stage(
-                name, task, cfg, artifacts.stage_key(cfg, name, inputs), inputs, forced, **kwargs
-            )
+            dirs = {i: calls[i].out_dir for i in stages.STAGES[name].inputs}
+            keys = stages.input_keys(name, {i: Path(d) for i, d in dirs.items()})
+            key = stages.stage_key(cfg, name, keys)
+            return _run_stage(name, task, cfg, key, forced, input_dirs=dirs, **kwargs)
 
-        gen_dir = Path(calls["generate"].out_dir)
-        calls["extract"] = stage(
-            "extract",
-            extract_task,
-            {"generate": calls["generate"].result["data_key"]},
-            generate_dir=str(gen_dir),
-            model_path=model,
-        )
-        ext_dir = calls["extract"].out_dir
-        calls["vocab"] = stage(
-            "vocab",
-            vocab_task,
-            {"extract": calls["extract"].result["tokens_key"]},
-            extract_dir=ext_dir,
-        )
-        calls["train"] = stage(
-            "train",
-            train_task,
-            {"extract": calls["extract"].key, "vocab": calls["vocab"].key},
-            extract_dir=ext_dir,
-            vocab_path=str(Path(calls["vocab"].out_dir) / "vocab.safetensors"),
-            target_dir=model,
-        )
+        calls["extract"] = stage("extract", extract_task, model_path=model)
+        calls["vocab"] = stage("vocab", vocab_task)
+        calls["train"] = stage("train", train_task, target_dir=model)
         if "verify" in selected:
-            calls["verify"] = stage(
-                "verify",
-                verify_task,
-                {"train": calls["train"].key},
-                model=model,
-                draft_dir=str(Path(calls["train"].out_dir) / "vllm-draft"),
-            )
+            calls["verify"] = stage("verify", verify_task, model=model)
             summary["acceptance_length"] = calls["verify"].result.get("acceptance_length")
     except BaseException as e:
         summary["failed"] = {"stage": current, "error": f"{type(e).__name__}: {e}"[:2000]}
         if current == "verify":  # a failed gate still wrote its report: show it
             report = cfg.paths.artifact_dir(
-                "verify", artifacts.stage_key(cfg, "verify", {"train": calls["train"].key})
+                "verify", stages.stage_key(cfg, "verify", {"train": calls["train"].key})
             )
             summary["verify_report"] = (
                 str(report / "report.md") if (report / "report.md").exists() else None
@@ -473,7 +442,7 @@ def dry_run(params: HeroRunParams) -> dict[str, Any]:
 
     cfg = load_params(params)
     plan = build_plan(cfg)
-    forced = artifacts.dependants(params.force) & set(params.stages)
+    forced = stages.dependants(params.force) & set(params.stages)
     print(f"Dry run of profile {cfg.name} (run dir {cfg.paths.run_dir}); nothing is started.")
     for name in ALL_STAGES:
         what = (
@@ -555,7 +524,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     top1 = [round(x, 3) for x in (t.get("final_top1") or []) if x is not None]
     print(
         f"train: {t.get('steps')} steps, final top-1 per TTT step {top1}; draft for vLLM at "
-        f"{Path(summary['stages']['train']['dir']) / 'vllm-draft'}"
+        f"{stages.STAGES['train'].file(summary['stages']['train']['dir'], 'draft')}"
     )
     if "verify" in info:
         vf = info["verify"]

@@ -1,4 +1,5 @@
-"""Prefect task around `eagle3.extract.runner.extract` (a retry resumes by sample id)."""
+"""Prefect task around the extract stage (`eagle3.extract.runner.extract`, through
+eagle3.stages; a retry resumes by sample id)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from prefect.artifacts import (
 from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig
-from eagle3.extract.runner import extract, previous_extract
+from eagle3.stages import run_stage
 from tasks.caching import ARTIFACT_KEY
 from tasks.retries import TIMEOUT_S, transient_only
 
@@ -27,7 +28,9 @@ from tasks.retries import TIMEOUT_S, transient_only
     retry_condition_fn=transient_only,
     timeout_seconds=TIMEOUT_S["extract"],
 )
-def extract_task(cfg: PipelineConfig, out_dir: str, generate_dir: str, model_path: str) -> dict:
+def extract_task(
+    cfg: PipelineConfig, out_dir: str, input_dirs: dict[str, str], model_path: str
+) -> dict:
     logger = get_run_logger()
     artifact = create_progress_artifact(
         0.0, key="extract-progress", description="extract: samples stored"
@@ -40,9 +43,8 @@ def extract_task(cfg: PipelineConfig, out_dir: str, generate_dir: str, model_pat
             update_progress_artifact(artifact, min(100.0, 100.0 * done / total))
 
     t0 = time.monotonic()
-    reuse = previous_extract(cfg, Path(out_dir)) if cfg.extract.reuse_previous else None
-    m = extract(
-        cfg, Path(generate_dir), Path(out_dir), model_path, on_progress=progress, reuse_from=reuse
+    _, m, _ = run_stage(
+        cfg, "extract", input_dirs, Path(out_dir), model=model_path, on_progress=progress
     )
     lib_wall = time.monotonic() - t0
     update_progress_artifact(artifact, 100.0)

@@ -1,10 +1,11 @@
-"""Prefect task around `eagle3.generate.runner.generate`.
+"""Prefect task around the generate stage (`eagle3.generate.runner.generate`, through
+eagle3.stages).
 
 A retry is a resume: samples already in the shards are skipped, so only what failed or was
 never sent is requested again. The flow decides before starting any server whether there is
-anything to request (``eagle3.artifacts.generate_status``); called without endpoints, the task
-only reports what the folder holds. Progress is a Prefect progress artifact; the generation
-statistics are a table artifact.
+anything to request (``eagle3.generate.status.generate_status``); called without endpoints, the
+stage only reports what the folder holds. Progress is a Prefect progress artifact; the
+generation statistics are a table artifact.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from prefect.artifacts import (
 )
 from prefect.tasks import exponential_backoff
 
-from eagle3.artifacts import generate_status
 from eagle3.config import PipelineConfig
-from eagle3.generate.profile import profile_concurrency
-from eagle3.generate.runner import Progress, generate, read_manifest
+from eagle3.generate.runner import Progress
+from eagle3.stages import run_stage
 from tasks.caching import GENERATE_KEY
 from tasks.retries import TIMEOUT_S, transient_only
 
@@ -72,38 +72,11 @@ def generate_task(
 ) -> dict:
     """Request every selected prompt not yet answered (``selection`` only keys the cache)."""
     logger = get_run_logger()
-    out = Path(out_dir)
-    if not base_urls:
-        status = generate_status(cfg, key=out.name)
-        if status.pending:
-            raise RuntimeError(
-                f"generate: {status.pending} prompts to request but no server was started"
-            )
-        if not (out / "manifest.json").is_file():
-            raise FileNotFoundError(
-                f"{out}: no manifest.json and nothing to request (does the profile select "
-                "any prompt?)"
-            )
-        logger.info(
-            "generate: nothing to request (%d samples in %s, %d rejected for good)",
-            status.done,
-            out,
-            status.rejected,
-        )
-        return _summary(read_manifest(out), 0.0, requested=False)
-
-    concurrency = cfg.generate.concurrency
-    if concurrency == "auto":
-        report = profile_concurrency(cfg, base_urls, out / "profile")
-        concurrency = report["knee"]
-        logger.info(
-            "concurrency auto -> %d (best %d at %.0f tok/s)",
-            concurrency,
-            report["best"],
-            report["best_tokens_per_s"],
-        )
-    artifact = create_progress_artifact(
-        0.0, key="generate-progress", description="generate: samples done"
+    requested = bool(base_urls)
+    artifact = (
+        create_progress_artifact(0.0, key="generate-progress", description="generate: samples done")
+        if requested
+        else None
     )
     last = [0.0]
 
@@ -121,16 +94,25 @@ def generate_task(
             )
 
     t0 = time.monotonic()
-    manifest = generate(
+    options = {"base_urls": base_urls, "tokenizer_path": tokenizer_path}
+    _, manifest, _ = run_stage(
         cfg,
-        base_urls,
-        out,
-        concurrency=concurrency,
-        tokenizer_path=tokenizer_path,
+        "generate",
+        {},
+        Path(out_dir),
         on_progress=report_progress,
+        log=logger.info,
+        options=options,
     )
     lib_wall = time.monotonic() - t0
+    if not requested:
+        return _summary(manifest, 0.0, requested=False)
     update_progress_artifact(artifact, 100.0)
+    _stats_table(manifest)
+    return _summary(manifest, lib_wall, requested=True)
+
+
+def _stats_table(manifest: dict) -> None:
     run, totals = manifest["this_run"], manifest["totals"]
     create_table_artifact(
         key="generate-stats",
@@ -146,4 +128,3 @@ def generate_task(
         ],
         description="Generation statistics",
     )
-    return _summary(manifest, lib_wall, requested=True)

@@ -1,4 +1,5 @@
-"""Prefect task around `eagle3.train.train`. A retry resumes from the last checkpoint."""
+"""Prefect task around the train stage (through eagle3.stages, which decides between one process
+and torchrun). A retry resumes from the last checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from prefect.artifacts import (
 from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig
-from eagle3.train import train
+from eagle3.stages import STAGES, run_stage
 from tasks.caching import ARTIFACT_KEY
 from tasks.retries import TIMEOUT_S, transient_only
 
@@ -30,7 +31,7 @@ from tasks.retries import TIMEOUT_S, transient_only
     timeout_seconds=TIMEOUT_S["train"],
 )
 def train_task(
-    cfg: PipelineConfig, out_dir: str, extract_dir: str, vocab_path: str, target_dir: str
+    cfg: PipelineConfig, out_dir: str, input_dirs: dict[str, str], target_dir: str
 ) -> dict:
     logger = get_run_logger()
     artifact = create_progress_artifact(
@@ -45,29 +46,17 @@ def train_task(
             logger.info("train: step %d/%d loss %s", p["step"], p["total_steps"], p["loss"])
 
     t0 = time.monotonic()
-    if cfg.train.nproc_per_node > 1:  # one rank per GPU under torchrun; rank 0 writes the manifest
-        from eagle3.train.launch import torchrun_train
-
-        m = torchrun_train(
-            cfg,
-            Path(extract_dir),
-            Path(vocab_path),
-            Path(target_dir),
-            Path(out_dir),
-            cfg.train.nproc_per_node,
-            log=logger.info,
-        )
-    else:
-        m = train(
-            cfg,
-            Path(extract_dir),
-            Path(vocab_path),
-            Path(target_dir),
-            Path(out_dir),
-            on_progress=progress,
-        )
+    _, m, _ = run_stage(
+        cfg,
+        "train",
+        input_dirs,
+        Path(out_dir),
+        model=target_dir,
+        on_progress=progress,
+        log=logger.info,
+    )
     lib_wall = time.monotonic() - t0
-    history = json.loads((Path(out_dir) / "metrics.json").read_text())["epochs"]
+    history = json.loads(STAGES["train"].file(out_dir, "metrics").read_text())["epochs"]
     rows = [
         {
             "epoch": e["epoch"],

@@ -18,7 +18,7 @@ from tasks.retries import TIMEOUT_S
 
 # Cached by the artifact key (out_dir's name: train key + verify settings + target + serve settings).
 @task(name="verify", retries=0, cache_policy=ARTIFACT_KEY, timeout_seconds=TIMEOUT_S["verify"])
-def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -> dict:
+def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out_dir: str) -> dict:
     """Serve target alone, then target + draft; measure; gate; promote. Returns the report dict
     (keys include ``acceptance_length``, ``speedup``, ``gate`` {passed, reasons}, ``promoted``).
     Raises ``eagle3.verify.GateFailed`` when the gate fails (the report is on disk by then)."""
@@ -29,7 +29,8 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
         update_progress_artifact,
     )
 
-    from eagle3.verify import GateFailed, verify
+    from eagle3.stages import run_stage
+    from eagle3.verify import GateFailed
 
     logger = get_run_logger()
     v = cfg.verify
@@ -99,8 +100,14 @@ def verify_task(cfg: PipelineConfig, model: str, draft_dir: str, out_dir: str) -
         )
 
     try:
-        report = verify(
-            cfg, model, Path(draft_dir), Path(out_dir), log=logger.info, on_progress=progress
+        _, report, _ = run_stage(
+            cfg,
+            "verify",
+            input_dirs,
+            Path(out_dir),
+            model=model,
+            on_progress=progress,
+            log=logger.info,
         )
     except GateFailed:
         if (Path(out_dir) / "report.json").is_file():

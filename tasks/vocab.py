@@ -1,4 +1,4 @@
-"""Prefect task around `eagle3.vocab.vocab_stage`."""
+"""Prefect task around the vocab stage (`eagle3.vocab.vocab_stage`, through eagle3.stages)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from eagle3.config import PipelineConfig
-from eagle3.vocab import vocab_stage
+from eagle3.stages import run_stage
 from tasks.caching import ARTIFACT_KEY
 from tasks.retries import TIMEOUT_S, transient_only
 
@@ -22,15 +22,9 @@ from tasks.retries import TIMEOUT_S, transient_only
     retry_condition_fn=transient_only,
     timeout_seconds=TIMEOUT_S["vocab"],
 )
-def vocab_task(cfg: PipelineConfig, out_dir: str, extract_dir: str) -> dict:
+def vocab_task(cfg: PipelineConfig, out_dir: str, input_dirs: dict[str, str]) -> dict:
     t0 = time.monotonic()
-    m = vocab_stage(
-        Path(extract_dir),
-        Path(out_dir),
-        cfg.target.vocab_size,
-        cfg.vocab.draft_vocab_size,
-        {"target": cfg.target.model},
-    )
+    _, m, _ = run_stage(cfg, "vocab", input_dirs, Path(out_dir))
     lib_wall = time.monotonic() - t0
     create_table_artifact(
         key="vocab-coverage",

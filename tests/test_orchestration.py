@@ -6,6 +6,7 @@ stages only when the data changed. Plus the deployments, prefect.yaml, and the c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,8 +19,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from eagle3 import artifacts
+from eagle3 import artifacts, stages
 from eagle3.config import load_config
+from eagle3.generate import status as generate_status_mod
 from tests.conftest import CPU_PROFILE, ROOT, TINY_STAGES
 
 # ---------------------------------------------------------------------------
@@ -63,34 +65,36 @@ from tests.conftest import CPU_PROFILE, ROOT, TINY_STAGES
     ],
 )
 def test_invalidation_matrix(cpu_cfg, override, rerun):
-    assert artifacts.changed_stages(cpu_cfg, load_config(CPU_PROFILE, [override])) == rerun
+    assert stages.changed_stages(cpu_cfg, load_config(CPU_PROFILE, [override])) == rerun
 
 
 def test_keys_follow_inputs_and_code_version(cpu_cfg, monkeypatch):
-    keys = artifacts.config_keys(cpu_cfg)
+    keys = stages.config_keys(cpu_cfg)
     assert len(set(keys.values())) == 5
-    assert artifacts.config_keys(cpu_cfg) == keys  # stable across calls
+    assert stages.config_keys(cpu_cfg) == keys  # stable across calls
     # new generated data (same settings) reruns everything after generate, but not generate itself
-    other = artifacts.config_keys(cpu_cfg, generate_data="more-samples")
-    assert [s for s in artifacts.STAGES if other[s] != keys[s]] == [
+    other = stages.config_keys(cpu_cfg, generate_data="more-samples")
+    assert [s for s in stages.NAMES if other[s] != keys[s]] == [
         "extract",
         "vocab",
         "train",
         "verify",
     ]
     # a stage's code version is part of its key and so of every later key
-    monkeypatch.setitem(artifacts.CODE_VERSIONS, "vocab", "2")
-    bumped = artifacts.config_keys(cpu_cfg)
-    assert [s for s in artifacts.STAGES if bumped[s] != keys[s]] == ["vocab", "train", "verify"]
+    monkeypatch.setitem(
+        stages.STAGES, "vocab", dataclasses.replace(stages.STAGES["vocab"], code_version="2")
+    )
+    bumped = stages.config_keys(cpu_cfg)
+    assert [s for s in stages.NAMES if bumped[s] != keys[s]] == ["vocab", "train", "verify"]
     # torchrun: W ranks with grad_accum 1 make the same optimizer steps as 1 process with grad_accum W
-    accum2 = artifacts.config_keys(load_config(CPU_PROFILE, ["train.grad_accum=2"]))["train"]
+    accum2 = stages.config_keys(load_config(CPU_PROFILE, ["train.grad_accum=2"]))["train"]
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert artifacts.config_keys(cpu_cfg)["train"] == accum2 != bumped["train"]
+    assert stages.config_keys(cpu_cfg)["train"] == accum2 != bumped["train"]
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError, match="input keys missing"):
-        artifacts.stage_key(cpu_cfg, "train", {"extract": "x"})
-    assert artifacts.dependants(["extract"]) == {"extract", "vocab", "train", "verify"}
-    assert artifacts.dependants(["vocab"]) == {"vocab", "train", "verify"}
+        stages.stage_key(cpu_cfg, "train", {"extract": "x"})
+    assert stages.dependants(["extract"]) == {"extract", "vocab", "train", "verify"}
+    assert stages.dependants(["vocab"]) == {"vocab", "train", "verify"}
 
 
 def test_seal_and_completeness(tmp_path, cpu_cfg):
@@ -101,7 +105,7 @@ def test_seal_and_completeness(tmp_path, cpu_cfg):
     (d / "vocab.safetensors").write_bytes(b"x" * 10)
     (d / "sub" / "a.json").write_text("{}")
     (d / ".tmp-half-written").write_text("ignored")
-    artifacts.seal(d, "vocab", "k1", {"extract": "t"}, {"coverage": 1.0})
+    artifacts.seal(d, "vocab", "k1", "1", {"extract": "t"}, {"coverage": 1.0})
     assert artifacts.is_complete(d, "k1") and not artifacts.is_complete(d, "k2")
     assert set(artifacts.read_marker(d)["files"]) == {"vocab.safetensors", "sub/a.json"}
     (d / "vocab.safetensors").write_bytes(b"x" * 9)  # truncated
@@ -127,8 +131,8 @@ def test_generate_status_decides_without_a_server(tmp_path):
         CPU_PROFILE,
         [f"paths.runs_dir={tmp_path}", f"generate.dataset={data}", "generate.num_samples=null"],
     )
-    ids = artifacts.selected_prompt_ids(cfg)
-    st = artifacts.generate_status(cfg)
+    ids = generate_status_mod.selected_prompt_ids(cfg)
+    st = generate_status_mod.generate_status(cfg)
     assert (st.selected, st.done, st.pending, st.sealed) == (5, 0, 5, False)
     store = ShardStore(Path(st.out_dir))
     for i in ids[:2]:
@@ -136,10 +140,10 @@ def test_generate_status_decides_without_a_server(tmp_path):
     store.add_error({"id": ids[2], "kind": "failed", "reason": "timeout"})
     store.add_error({"id": ids[3], "kind": "rejected", "reason": "400"})
     store.finalize()
-    st = artifacts.generate_status(cfg)
+    st = generate_status_mod.generate_status(cfg)
     assert (st.done, st.pending, st.rejected) == (2, 2, 1)
     assert (
-        artifacts.generate_status(
+        generate_status_mod.generate_status(
             load_config(
                 CPU_PROFILE,
                 [
@@ -152,19 +156,21 @@ def test_generate_status_decides_without_a_server(tmp_path):
         ).pending
         == 3
     )
-    key = artifacts.data_key(Path(st.out_dir), st.key)
+    key = generate_status_mod.data_key(Path(st.out_dir), st.key)
     store = ShardStore(Path(st.out_dir))
     store.add_error({"id": ids[2], "kind": "failed", "reason": "timeout again"})
     store.finalize()
-    assert artifacts.data_key(Path(st.out_dir), st.key) == key  # a failed retry is no new data
+    assert (
+        generate_status_mod.data_key(Path(st.out_dir), st.key) == key
+    )  # a failed retry is no new data
     store = ShardStore(Path(st.out_dir))
     store.add({"id": ids[2], "prompt_token_ids": [1], "completion_token_ids": [3]})
     store.finalize()
-    assert artifacts.data_key(Path(st.out_dir), st.key) != key
+    assert generate_status_mod.data_key(Path(st.out_dir), st.key) != key
     # a new prompt in the dataset changes the selection (a cache miss) and is pending
     with open(data, "a") as f:
         f.write(json.dumps({"prompt": "a new question?"}) + "\n")
-    st2 = artifacts.generate_status(cfg)
+    st2 = generate_status_mod.generate_status(cfg)
     assert st2.selection != st.selection and st2.pending == 2
 
 
@@ -219,14 +225,13 @@ def test_unchanged_rerun_is_all_cache_hits_and_starts_no_server(tiny_hero, tiny_
 def test_rerun_after_failure_redoes_only_the_failed_stage(tiny_copy, monkeypatch):
     """train fails (injected) -> the rerun finds generate/extract/vocab cached, redoes train; then
     `stages` runs train alone on the latest artifacts."""
-    import tasks.train
 
     def broken(*args, **kwargs):
         raise ValueError("injected failure in train")
 
     overrides = [*tiny_copy, "train.epochs=2"]  # a train key the copy has not computed
     with monkeypatch.context() as m:
-        m.setattr(tasks.train, "train", broken)
+        m.setattr("eagle3.train.train", broken)  # what the train stage calls (eagle3.stages)
         failed = _run(overrides, fail=True)
     assert _status(failed) == {
         "generate": "cached",

@@ -63,15 +63,11 @@ def check_fingerprint(
 
 def settings_key(cfg: PipelineConfig) -> str:
     """The extract stage key without its input: equal keys store equal states for equal tokens."""
-    from eagle3 import artifacts
+    from eagle3.artifacts import digest
+    from eagle3.stages import STAGES, stage_config
 
-    return artifacts.digest(
-        {
-            "stage": "extract",
-            "code": artifacts.CODE_VERSIONS["extract"],
-            "config": artifacts.stage_config(cfg, "extract"),
-        }
-    )
+    code = STAGES["extract"].code_version
+    return digest({"stage": "extract", "code": code, "config": stage_config(cfg, "extract")})
 
 
 def previous_extract(cfg: PipelineConfig, out_dir: Path) -> Path | None:

@@ -303,3 +303,15 @@ def iter_token_masks(root: Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             )
         for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
             yield ids[a:b], mask[a:b]
+
+
+def tokens_key(extract_dir: Path, generate_data_key: str) -> str:
+    """What the vocab stage reads from an extract folder: the token ids and loss masks of the
+    stored samples. They are the generated samples (``generate_data_key``) cut to their stored
+    lengths, so hashing the (id, length) pairs identifies them without reading the hidden states:
+    a new extraction at other auxiliary layers or in another dtype leaves the vocabulary cached."""
+    from eagle3.artifacts import digest
+
+    index = json.loads((Path(extract_dir) / "index.json").read_text())  # id -> [shard, pos, length]
+    samples = sorted((i, int(v[2])) for i, v in index.items())
+    return digest({"data": generate_data_key, "samples": samples})

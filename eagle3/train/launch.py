@@ -1,10 +1,11 @@
 """Run the train stage on several local processes (torchrun) from a single-process caller.
 
-The Prefect task calls :func:`torchrun_train` when ``train.nproc_per_node`` > 1 (the ``eagle3 train``
-command does not: run it under torchrun yourself, docs/train.md). It writes the resolved profile next
-to the output, starts ``torchrun --standalone --nproc-per-node N -m eagle3.train.launch ...`` (one
-rank per GPU; gloo on CPU), streams the ranks' output to ``out_dir/torchrun.log`` and returns the
-manifest rank 0 wrote.
+The train stage (``eagle3.stages``, for the CLI and the Prefect task alike) calls
+:func:`torchrun_train` when ``train.nproc_per_node`` > 1 and it is not already a torchrun rank; it
+has released the GPUs first. This writes the resolved profile next to the output, starts
+``torchrun --standalone --nproc-per-node N -m eagle3.train.launch ...`` (one rank per GPU; gloo
+on CPU), streams the ranks' output to ``out_dir/torchrun.log`` and returns the manifest rank 0
+wrote.
 A retry is a resume: the ranks load ``out_dir/checkpoints/latest`` as a single process would.
 """
 
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.atomic import write_json_atomic
-from eagle3.serving.gpus import release_gpus
 
 
 class LaunchFailed(RuntimeError):
@@ -34,7 +34,6 @@ def torchrun_train(
     nproc: int,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    release_gpus(cfg, "train", log=log)  # before the ranks start (eagle3.serving.gpus)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = out_dir / "launch-config.json"
