@@ -1,17 +1,22 @@
 """Train-stage throughput: the real training step (target distribution + TTT unroll + backward +
 AdamW) on synthetic hidden states.
 
-    .venv/bin/python bench/train.py                 # CPU, SmolLM2 dimensions (the embedded default)
-    python bench/train.py --kimi                    # GPU, the Kimi-K2.5 draft (H 7168, 64/8 heads, I 18432,
-                                                    #      V 163840, draft vocab 32000, seq 2048, TTT 7)
-    torchrun --nproc-per-node 2 bench/train.py --kimi --ddp    # (or --fsdp) N GPUs, one global batch of
-                                                    #      N x accum x batch samples per step
-    python bench/train.py --kimi --accum 2          # the one-GPU reference of that global batch
+    .venv/bin/python bench/train.py          # CPU, SmolLM2 dimensions (the embedded default)
+    python bench/train.py --kimi             # GPU, the Kimi-K2.5 draft (H 7168, 64/8 heads,
+                                             #   I 18432, V 163840, D 32000, seq 2048, TTT 7)
+    torchrun --nproc-per-node 2 bench/train.py --kimi --ddp   # (or --fsdp) N GPUs, one global
+                                             #   batch of N x accum x batch samples per step
+    python bench/train.py --kimi --accum 2   # the one-GPU reference of that global batch
+    python bench/train.py --kimi --impl eager   # the reference step (train.step_impl: eager)
+    python bench/train.py --kimi --profile   # + torch.profiler's top kernels of 2 steps
 
-Prints tokens/s, peak memory and, on a GPU, MFU against the bf16 matmul rate measured in the same
-run. Model FLOPs per token: 6 x trainable params x TTT steps (forward + backward of each unrolled
-step) + causal attention of each step, forward and backward, + the target head (full-vocab logits
-for the argmax: 2 V H, forward only).
+Prints tokens/s, peak memory, the time per phase (batch: the padded batch and the target
+distribution; forward; backward; optimizer: clip + AdamW; from CUDA events, wall time on CPU)
+and, on a GPU, MFU against the bf16 matmul rate measured in the same run. Model FLOPs per token:
+bench/train_flops.py (fc 4N once; the layer 6N and a trainable lm_head 6DH per TTT step; only
+the causal + diagonal attention pairs; the target head 2VH forward, once per token).
+The step is the train stage's, with the settings it picks on this device (train.step_impl auto,
+fused AdamW and bf16 autocast without the weight-cast cache on CUDA, one step in flight).
 
 The step is eagle3.train.train_step, the one the train stage runs (all-reduced loss denominators,
 DDP or FSDP as train.py wraps them, the frozen embedding in bf16 on GPU). Under torchrun (--ddp /
@@ -41,18 +46,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu import matmul_rate, sync  # noqa: E402
+from train_flops import flops_per_token, layer_params  # noqa: E402
 
 from eagle3.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.extract.storage import Sample  # noqa: E402
-from eagle3.train import (
+from eagle3.train import (  # noqa: E402
     TargetHead,
     hold_frozen_bf16,
     init_distributed,
     make_batch,
-    make_optimizer,  # noqa: E402
-    train_step,
+    make_optimizer,
     wrap_for_training,
 )
+from eagle3.train.batch import make_batch_fast  # noqa: E402
+from eagle3.train.loop import make_autocast  # noqa: E402
+from eagle3.train.step import resolve_step_impl, train_step_async  # noqa: E402
+from eagle3.train.step_fast import PendingStep  # noqa: E402
 
 SMOLLM2 = dict(
     hidden_size=576,
@@ -112,44 +121,44 @@ def make_sample(i: int, seq: int, h: int, v: int, dtype: torch.dtype) -> Sample:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--kimi", action="store_true")
-    ap.add_argument(
-        "--arch",
-        choices=["llama", "mla"],
-        default="llama",
-        help="mla: the DeepSeek-style draft (with --kimi: from configs/targets/moonshotai--Kimi-K2.5.json)",
-    )
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=None, help="samples per micro-batch (per rank)")
-    ap.add_argument("--ttt", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--ddp", action="store_true", help="under torchrun: DDP")
-    ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP (fully_shard)")
-    ap.add_argument(
-        "--accum", type=int, default=None, help="micro-batches per rank per step (default 1)"
-    )
-    ap.add_argument(
-        "--single-tokens-per-s",
-        type=float,
-        default=None,
-        help="the one-GPU tokens/s at the same --batch, for the scaling efficiency",
-    )
-    args = ap.parse_args()
-    if args.ddp and args.fsdp:
-        ap.error("--ddp or --fsdp, not both")
-    multi = args.ddp or args.fsdp or args.accum is not None  # print the per-rank / per-step report
-    if "TORCHELASTIC_RUN_ID" in os.environ and not (args.ddp or args.fsdp):
-        ap.error("under torchrun pass --ddp or --fsdp")
-    dist_info, dev = init_distributed("fsdp" if args.fsdp else "ddp")
-    rank, world = dist_info.rank, dist_info.world
-    accum = args.accum or 1
-    dims = KIMI if args.kimi else SMOLLM2
-    seq = args.seq or (2048 if args.kimi else 512)
-    batch = args.batch or (1 if args.kimi else 4)
-    ttt = args.ttt or (7 if args.kimi else 3)
-    steps = args.steps or (10 if args.kimi else 5)
+class Phases:
+    """Time per phase of the measured steps: CUDA events (GPU time between the marks), or wall
+    time on CPU. ``mark(name)`` ends the phase ``name`` (begun at the previous mark)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+        self.on = False
+
+    def now(self) -> object:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self.on:
+            self.marks.append(("", self.now()))
+
+    def mark(self, name: str) -> None:
+        if self.on:
+            self.marks.append((name, self.now()))
+
+    def totals(self, steps: int) -> dict[str, float]:
+        """Seconds per step of each phase (after a sync)."""
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            if not name:
+                continue
+            dt = a.elapsed_time(b) / 1000 if self.cuda else b - a  # type: ignore[union-attr]
+            out[name] = out.get(name, 0.0) + dt / steps
+        return out
+
+
+def build(args: argparse.Namespace, dev: torch.device) -> tuple:
+    """(draft config, draft on ``dev``, target head) of the chosen dims; built on the device
+    (a Kimi-size draft initialised on the host takes longer than the benchmark)."""
     if args.arch == "mla":
         from eagle3.draft import Eagle3MLADraft, MLADraftConfig
 
@@ -159,13 +168,92 @@ def main() -> None:
             )
         else:
             cfg = MLADraftConfig.from_target(dict(TINY_MLA), 8192, [2, 15, 27])
+        cls = Eagle3MLADraft
     else:
-        cfg = DraftConfig(**dims)
+        cfg = DraftConfig(**(KIMI if args.kimi else SMOLLM2))
+        cls = Eagle3Draft
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = cls(cfg)
+    hold_frozen_bf16(model, dev)
+    h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
+    head_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    head = TargetHead(
+        torch.ones(h, device=dev),
+        torch.randn(v, h, dtype=head_dtype, device=dev) * 0.02,
+        torch.arange(0, v, v // d, device=dev)[:d],
+        torch.full((v,), -1, dtype=torch.int64, device=dev),
+        cfg.rms_norm_eps,
+    )
+    head.t2draft[head.draft_ids] = torch.arange(d, device=dev)
+    return cfg, model, head
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kimi", action="store_true")
+    ap.add_argument(
+        "--arch",
+        choices=["llama", "mla"],
+        default="llama",
+        help="mla: the DeepSeek-style draft (--kimi: configs/targets/moonshotai--Kimi-K2.5.json)",
+    )
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="samples per micro-batch (per rank)")
+    ap.add_argument("--ttt", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument(
+        "--impl", choices=["auto", "eager", "fast"], default="auto", help="train.step_impl"
+    )
+    ap.add_argument("--profile", action="store_true", help="torch.profiler top kernels")
+    ap.add_argument("--json-out", type=Path, default=None, help="also write the result here")
+    ap.add_argument("--ddp", action="store_true", help="under torchrun: DDP")
+    ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP (fully_shard)")
+    ap.add_argument("--accum", type=int, default=None, help="micro-batches per rank per step")
+    ap.add_argument(
+        "--single-tokens-per-s",
+        type=float,
+        default=None,
+        help="the one-GPU tokens/s at the same --batch, for the scaling efficiency",
+    )
+    args = ap.parse_args()
+    if args.ddp and args.fsdp:
+        ap.error("--ddp or --fsdp, not both")
+    if "TORCHELASTIC_RUN_ID" in os.environ and not (args.ddp or args.fsdp):
+        ap.error("under torchrun pass --ddp or --fsdp")
+    return args
+
+
+def profile_table(step, dev: torch.device, rows: int = 20) -> str:
+    """torch.profiler over 2 steps: the top kernels by self device (CPU: self CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(2):
+            step()
+        sync(dev)
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
+def main() -> None:
+    args = parse()
+    multi = args.ddp or args.fsdp or args.accum is not None  # the per-rank / per-step report
+    dist_info, dev = init_distributed("fsdp" if args.fsdp else "ddp")
+    rank, world = dist_info.rank, dist_info.world
+    accum = args.accum or 1
+    seq = args.seq or (2048 if args.kimi else 512)
+    batch = args.batch or (1 if args.kimi else 4)
+    ttt = args.ttt or (7 if args.kimi else 3)
+    steps = args.steps or (10 if args.kimi else 5)
+    impl = resolve_step_impl(args.impl, dev)
+    cfg, model, head = build(args, dev)
     say = print if rank == 0 else (lambda *a, **k: None)
+    gpu = f" {torch.cuda.get_device_name()}" if dev.type == "cuda" else ""
     say(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, {dev}"
-        f"{' ' + torch.cuda.get_device_name() if dev.type == 'cuda' else ''}; torch {torch.__version__}; "
-        f"{time.strftime('%Y-%m-%d %H:%M')}"
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {dev}{gpu}; torch "
+        f"{torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}"
     )
     heads = (
         f"MLA {cfg.num_attention_heads} heads, q/kv rank {cfg.q_lora_rank}/{cfg.kv_lora_rank}"
@@ -173,81 +261,93 @@ def main() -> None:
         else f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}"
     )
     say(
-        f"draft ({args.arch}): {'Kimi-K2.5' if args.kimi else 'SmolLM2-135M'} dims H {cfg.hidden_size}, {heads}, "
-        f"I {cfg.intermediate_size}, V {cfg.vocab_size}, D {cfg.draft_vocab_size}; batch {batch} x seq {seq}, TTT {ttt}"
+        f"draft ({args.arch}): {'Kimi-K2.5' if args.kimi else 'SmolLM2-135M'} dims H "
+        f"{cfg.hidden_size}, {heads}, I {cfg.intermediate_size}, V {cfg.vocab_size}, D "
+        f"{cfg.draft_vocab_size}; batch {batch} x seq {seq}, TTT {ttt}; step {impl}"
     )
     if multi:
         say(
-            f"distributed: {dist_info.mode} on {world} rank(s), {accum} micro-batch(es) per rank per step: global "
-            f"batch {world * accum * batch} samples = {world * accum * batch * seq} tokens per step"
+            f"distributed: {dist_info.mode} on {world} rank(s), {accum} micro-batch(es) per rank "
+            f"per step: global batch {world * accum * batch} samples = "
+            f"{world * accum * batch * seq} tokens per step"
         )
-    torch.manual_seed(0)
-    model = (Eagle3MLADraft(cfg) if args.arch == "mla" else Eagle3Draft(cfg)).to(dev)
-    hold_frozen_bf16(model, dev)
-    h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
-    head_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    head = TargetHead(
-        torch.ones(h),
-        torch.randn(v, h, dtype=head_dtype) * 0.02,
-        torch.arange(0, v, v // d)[:d],
-        torch.full((v,), -1, dtype=torch.int64),
-        cfg.rms_norm_eps,
-    )
-    head.t2draft[head.draft_ids] = torch.arange(d)
-    head = head.to(dev)
-    net = wrap_for_training(model, dist_info, dev, ttt, 0.8)
-    opt = make_optimizer(model, 1e-4, 0.0)
+    net = wrap_for_training(model, dist_info, dev, ttt, 0.8, impl)
+    opt = make_optimizer(model, 1e-4, 0.0, fused=impl == "fast" and dev.type == "cuda")
     params = [p for p in model.parameters() if p.requires_grad]
     state_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    h, v = cfg.hidden_size, cfg.vocab_size
     # rank r's micro-batch j is global batch r + j * world (as train.py deals them out)
     micro_samples = [
         [make_sample((rank + j * world) * batch + k, seq, h, v, state_dtype) for k in range(batch)]
         for j in range(accum)
     ]
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if dev.type == "cuda"
-        else torch.autocast("cpu", enabled=False)
-    )
+    autocast = make_autocast(dev, impl)
+    make = make_batch_fast if impl == "fast" else make_batch
+    phases = Phases(dev)
     losses: list[float] = []
+    pending: list = []
 
-    def step() -> float:
-        micro = [make_batch(s, head, dev, seq) for s in micro_samples]
-        r = train_step(net, opt, params, micro, dist_info, ttt, 0.8, 0.5, autocast)
-        losses.append(r.loss)
-        return r.loss
+    def settle() -> None:  # the train loop's one step in flight (eagle3.train.progress)
+        while pending:
+            r = pending.pop(0)
+            losses.append((r.resolve() if isinstance(r, PendingStep) else r).loss)
 
-    step()  # warm-up
+    def step() -> None:
+        phases.start()
+        micro = [make(s, head, dev, seq) for s in micro_samples]
+        phases.mark("batch")
+        r = train_step_async(
+            net, opt, params, micro, dist_info, ttt, 0.8, 0.5, autocast, phases.mark
+        )
+        settle()
+        pending.append(r)
+
+    for _ in range(2):  # warm-up
+        step()
+    settle()
+    sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    sync(dev)
     if world > 1:
         dist.barrier()
+    phases.on = True
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
+    settle()
     sync(dev)
     dt = (time.perf_counter() - t0) / steps
-    tokens = batch * seq * accum  # this rank's, per step
+    phases.on = False
+    report(args, locals_for_report(locals()))
+    if args.profile and rank == 0:
+        print(profile_table(step, dev))
+        settle()
+    if dist_info.owns_group:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def locals_for_report(scope: dict) -> dict:
+    keys = "cfg model params dev dt batch seq accum ttt steps rank world dist_info phases losses"
+    return {k: scope[k] for k in keys.split()} | {"impl": scope["impl"], "multi": scope["multi"]}
+
+
+def report(args: argparse.Namespace, r: dict) -> None:
+    """Print (rank 0) tokens/s, memory, FLOPs/token by term, phases, MFU; the JSON result."""
+    dev, dt, world, rank = r["dev"], r["dt"], r["world"], r["rank"]
+    say = print if rank == 0 else (lambda *a, **k: None)
+    cfg = r["cfg"]
+    tokens = r["batch"] * r["seq"] * r["accum"]  # this rank's, per step
     tok_s = tokens / dt
-    trainable = sum(p.numel() for p in params)  # FSDP: DTensor numel is the whole tensor's
-    attn = 0
-    for i in range(
-        ttt
-    ):  # step i: T queries over T (causal, ~T/2) + i diagonal keys; QK^T and PV, fwd + bwd
-        qk_v = (
-            cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
-            if args.arch == "mla"
-            else 2 * cfg.head_dim
-        )  # QK^T width + PV width per head
-        attn += 3 * 2 * (seq / 2 + i) * cfg.num_attention_heads * qk_v
-    flops_per_token = 6 * trainable * ttt + attn + 2 * v * h
+    trainable = sum(p.numel() for p in r["params"])  # FSDP: DTensor numel is the whole tensor's
+    flops = flops_per_token(cfg, layer_params(r["model"]), r["seq"], r["ttt"])
+    cuda = dev.type == "cuda"
     peak = (
         torch.cuda.max_memory_allocated()
-        if dev.type == "cuda"
+        if cuda
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
-    reserved = torch.cuda.max_memory_reserved() if dev.type == "cuda" else peak
+    reserved = torch.cuda.max_memory_reserved() if cuda else peak
     ranks = [
         {
             "rank": rank,
@@ -257,73 +357,88 @@ def main() -> None:
             "reserved_gib": reserved / 2**30,
         }
     ]
-    if world > 1:
+    if world > 1:  # the global step is as slow as the slowest rank (they meet in the all-reduce)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, ranks[0])
         ranks = gathered
-    if world > 1:  # the global step is as slow as the slowest rank (they meet in the all-reduce)
-        dt = max(r["step_s"] for r in ranks)
+        dt = max(x["step_s"] for x in ranks)
         tok_s = tokens / dt  # per rank (per GPU)
-        peak = max(r["peak_gib"] for r in ranks) * 2**30
+        peak = max(x["peak_gib"] for x in ranks) * 2**30
+    v, h = cfg.vocab_size, cfg.hidden_size
     say(f"trainable params {trainable / 1e6:.1f} M (+ frozen embedding {v * h / 1e6:.0f} M)")
     say(
-        f"step {dt * 1000:.0f} ms -> {tok_s:.0f} tokens/s{' per rank' if world > 1 else ''}; peak memory "
-        f"{peak / 2**30:.1f} GiB ({'GPU allocated' if dev.type == 'cuda' else 'process RSS'}"
-        f"{', max over ranks' if world > 1 else ''}); {flops_per_token / 1e9:.2f} GFLOP/token"
+        f"step {dt * 1000:.1f} ms -> {tok_s:.0f} tokens/s{' per rank' if world > 1 else ''}; "
+        f"peak memory {peak / 2**30:.1f} GiB ({'GPU allocated' if cuda else 'process RSS'}"
+        f"{', max over ranks' if world > 1 else ''})"
+    )
+    say(
+        f"{flops['total'] / 1e9:.2f} GFLOP/token: "
+        + ", ".join(f"{k} {x / 1e9:.3f}" for k, x in flops.items() if k != "total")
+    )
+    ph = r["phases"].totals(r["steps"])
+    say(
+        f"phases per step ({'CUDA events' if cuda else 'wall'}): "
+        + ", ".join(f"{k} {x * 1000:.1f} ms" for k, x in ph.items())
     )
     result = {
+        "impl": r["impl"],
+        "arch": args.arch,
+        "kimi": args.kimi,
+        "batch": r["batch"],
+        "seq": r["seq"],
+        "ttt": r["ttt"],
         "tokens_per_s": tok_s,
         "step_s": dt,
         "peak_gib": peak / 2**30,
-        "gflop_per_token": flops_per_token / 1e9,
+        "reserved_gib": reserved / 2**30,
+        "gflop_per_token": flops["total"] / 1e9,
+        "gflop_terms": {k: x / 1e9 for k, x in flops.items()},
+        "phases_ms": {k: x * 1000 for k, x in ph.items()},
+        "losses": r["losses"],
     }
-    if multi:
-        for r in ranks:
-            mem = (
-                f"{r['peak_gib']:.1f} GiB allocated / {r['reserved_gib']:.1f} GiB reserved"
-                if dev.type == "cuda"
-                else f"{r['peak_gib']:.1f} GiB RSS"
-            )
-            say(
-                f"  rank {r['rank']}: step {r['step_s'] * 1000:.0f} ms, {r['tokens_per_s']:.0f} tokens/s, peak {mem}"
-            )
-        total = world * tokens / dt
-        say(f"aggregate: {total:.0f} tokens/s over {world} rank(s) ({total / world:.0f} per rank)")
-        say("loss per step (warm-up first): " + " ".join(f"{x:.6f}" for x in losses))
-        result |= {
-            "mode": dist_info.mode,
-            "world_size": world,
-            "accum": accum,
-            "aggregate_tokens_per_s": total,
-            "ranks": ranks,
-            "losses": losses,
-        }
-        if args.single_tokens_per_s:
-            eff = total / world / args.single_tokens_per_s
-            say(
-                f"scaling efficiency vs one GPU ({args.single_tokens_per_s:.0f} tokens/s): {eff:.1%}"
-            )
-            result["scaling_efficiency"] = eff
-    if dev.type == "cuda" and rank == 0:
+    if r["multi"]:
+        result |= multi_report(args, r, ranks, tokens, dt, say)
+    if cuda and rank == 0:
         rate = matmul_rate(dev)
-        mfu = tok_s * flops_per_token / rate
+        mfu = tok_s * flops["total"] / rate
         say(
-            f"bf16 matmul measured {rate / 1e12:.0f} TFLOP/s -> MFU {mfu:.1%} (goal >= 45%)"
+            f"bf16 matmul measured {rate / 1e12:.0f} TFLOP/s -> MFU {mfu:.1%}"
             f"{' per GPU' if world > 1 else ''}"
         )
         result |= {"matmul_tflops": rate / 1e12, "mfu": mfu}
-    if args.kimi and rank == 0:
-        seed = 10 * 1000 * seq / (27.7 * 60)
-        print(
-            f"seed run: 10 epochs x 1000 samples in 27.7 min on one GPU = {seed:.0f} tokens/s if samples average "
-            f"{seq} tokens (assumption: the seed's length distribution is not recorded) -> this run is "
-            f"{tok_s / seed:.2f}x that"
-        )
-        result["seed_tokens_per_s_at_seq"] = seed
     say(json.dumps(result))
-    if dist_info.owns_group:
-        dist.barrier()
-        dist.destroy_process_group()
+    if args.json_out and rank == 0:
+        args.json_out.write_text(json.dumps(result, indent=1))
+
+
+def multi_report(args, r: dict, ranks: list, tokens: int, dt: float, say) -> dict:
+    """Per-rank lines, the aggregate, the losses of every step, the scaling efficiency."""
+    world, cuda = r["world"], r["dev"].type == "cuda"
+    for x in ranks:
+        mem = (
+            f"{x['peak_gib']:.1f} GiB allocated / {x['reserved_gib']:.1f} GiB reserved"
+            if cuda
+            else f"{x['peak_gib']:.1f} GiB RSS"
+        )
+        say(
+            f"  rank {x['rank']}: step {x['step_s'] * 1000:.0f} ms, "
+            f"{x['tokens_per_s']:.0f} tokens/s, peak {mem}"
+        )
+    total = world * tokens / dt
+    say(f"aggregate: {total:.0f} tokens/s over {world} rank(s) ({total / world:.0f} per rank)")
+    say("loss per step (warm-up first): " + " ".join(f"{x:.6f}" for x in r["losses"]))
+    out = {
+        "mode": r["dist_info"].mode,
+        "world_size": world,
+        "accum": r["accum"],
+        "aggregate_tokens_per_s": total,
+        "ranks": ranks,
+    }
+    if args.single_tokens_per_s:
+        eff = total / world / args.single_tokens_per_s
+        say(f"scaling efficiency vs one GPU ({args.single_tokens_per_s:.0f} tokens/s): {eff:.1%}")
+        out["scaling_efficiency"] = eff
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+#!/bin/bash
+# Issue 15's train-step measurements in one device call (docs/benchmarks.md, "Train stage"):
+# Kimi-K2.5 draft dims, batch 1 x 2048: eager and fast at TTT 7 (with phases and top kernels)
+# and TTT 3, the MLA draft at TTT 7, the SmolLM2-dims draft with the train stage's GPU settings
+# at TTT 3, and the fast-vs-eager loss/gradient match in bf16. Everything goes to $OUT.
+#
+#   bash bench/train_gpu.sh                                   # on the GPU machine
+#   K="--seq 64 --steps 1" S="--seq 64 --steps 1" M="--seq 48" PY=.venv/bin/python \
+#       OUT=/tmp/o bash bench/train_gpu.sh                     # a dry run on CPU, tiny shapes
+set -u
+OUT=${OUT:-/tmp/train-gpu}
+PY=${PY:-python3}
+K=${K:---kimi}          # Kimi dims (default seq 2048, batch 1, 10 steps)
+S=${S:---steps 50}      # SmolLM2 dims (default 4 x 512 = 2048 tokens, the demo's token budget)
+M=${M:---kimi}          # the match runs
+mkdir -p "$OUT"
+if [ -d .whl ] && ! $PY -c "import pydantic" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
+(nvidia-smi; $PY -c "import torch; print(torch.__version__, torch.version.cuda)") \
+    > "$OUT/machine.txt" 2>&1
+START=$(date +%s)
+
+run() {  # name, seconds, bench/train.py arguments
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" $PY bench/train.py "$@" --json-out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc t=$(($(date +%s) - START))s $(grep -E '^step |MFU' "$OUT/$name.log" | tr '\n' ' ')"
+}
+
+match() {  # name, seconds, bench/train_match.py arguments
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" $PY bench/train_match.py "$@" --json-out "$OUT/$name.json" \
+        > "$OUT/$name.log" 2>&1
+    echo "$name rc=$? t=$(($(date +%s) - START))s"
+}
+
+run kimi-fast-ttt7 90 $K --ttt 7 --profile
+run kimi-eager-ttt7 90 $K --ttt 7 --impl eager --profile
+run kimi-fast-ttt3 60 $K --ttt 3
+run kimi-eager-ttt3 60 $K --ttt 3 --impl eager
+run kimi-mla-fast-ttt7 70 $K --arch mla --ttt 7
+run smollm2-fast-ttt3 60 $S --ttt 3
+match match-kimi-ttt3 70 $M --ttt 3
+run kimi-mla-eager-ttt7 70 $K --arch mla --ttt 7 --impl eager
+run smollm2-eager-ttt3 60 $S --ttt 3 --impl eager
+match match-kimi-mla-ttt3 70 $M --arch mla --ttt 3
+run kimi-fast-ttt7-b2 60 $K --ttt 7 --batch 2
+echo "done t=$(($(date +%s) - START))s"
