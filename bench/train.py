@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu import matmul_rate, sync  # noqa: E402
+from gpu import Phases, matmul_rate, profile_table, sync  # noqa: E402
 from train_flops import flops_per_token, layer_params  # noqa: E402
 
 from eagle3.draft import DraftConfig, Eagle3Draft  # noqa: E402
@@ -121,41 +121,6 @@ def make_sample(i: int, seq: int, h: int, v: int, dtype: torch.dtype) -> Sample:
     )
 
 
-class Phases:
-    """Time per phase of the measured steps: CUDA events (GPU time between the marks), or wall
-    time on CPU. ``mark(name)`` ends the phase ``name`` (begun at the previous mark)."""
-
-    def __init__(self, dev: torch.device) -> None:
-        self.cuda = dev.type == "cuda"
-        self.marks: list[tuple[str, object]] = []
-        self.on = False
-
-    def now(self) -> object:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def start(self) -> None:
-        if self.on:
-            self.marks.append(("", self.now()))
-
-    def mark(self, name: str) -> None:
-        if self.on:
-            self.marks.append((name, self.now()))
-
-    def totals(self, steps: int) -> dict[str, float]:
-        """Seconds per step of each phase (after a sync)."""
-        out: dict[str, float] = {}
-        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
-            if not name:
-                continue
-            dt = a.elapsed_time(b) / 1000 if self.cuda else b - a  # type: ignore[union-attr]
-            out[name] = out.get(name, 0.0) + dt / steps
-        return out
-
-
 def build(args: argparse.Namespace, dev: torch.device) -> tuple:
     """(draft config, draft on ``dev``, target head) of the chosen dims; built on the device
     (a Kimi-size draft initialised on the host takes longer than the benchmark)."""
@@ -206,6 +171,12 @@ def parse() -> argparse.Namespace:
         "--impl", choices=["auto", "eager", "fast"], default="auto", help="train.step_impl"
     )
     ap.add_argument("--profile", action="store_true", help="torch.profiler top kernels")
+    ap.add_argument(
+        "--autocast-cache",
+        action="store_true",
+        help="fast step with autocast's weight-cast cache (bf16 sum of the TTT steps' weight "
+        "gradients): what fp32 accumulation costs",
+    )
     ap.add_argument("--json-out", type=Path, default=None, help="also write the result here")
     ap.add_argument("--ddp", action="store_true", help="under torchrun: DDP")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP (fully_shard)")
@@ -222,19 +193,6 @@ def parse() -> argparse.Namespace:
     if "TORCHELASTIC_RUN_ID" in os.environ and not (args.ddp or args.fsdp):
         ap.error("under torchrun pass --ddp or --fsdp")
     return args
-
-
-def profile_table(step, dev: torch.device, rows: int = 20) -> str:
-    """torch.profiler over 2 steps: the top kernels by self device (CPU: self CPU) time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(2):
-            step()
-        sync(dev)
-    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
 def main() -> None:
@@ -281,7 +239,7 @@ def main() -> None:
         [make_sample((rank + j * world) * batch + k, seq, h, v, state_dtype) for k in range(batch)]
         for j in range(accum)
     ]
-    autocast = make_autocast(dev, impl)
+    autocast = make_autocast(dev, "eager" if args.autocast_cache else impl)
     make = make_batch_fast if impl == "fast" else make_batch
     phases = Phases(dev)
     losses: list[float] = []
@@ -382,6 +340,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
     )
     result = {
         "impl": r["impl"],
+        "autocast_cache": args.autocast_cache,
         "arch": args.arch,
         "kimi": args.kimi,
         "batch": r["batch"],

@@ -51,4 +51,5 @@ run kimi-mla-eager-ttt7 70 $K --arch mla --ttt 7 --impl eager
 run smollm2-eager-ttt3 60 $S --ttt 3 --impl eager
 match match-kimi-mla-ttt3 70 $M --arch mla --ttt 3
 run kimi-fast-ttt7-b2 60 $K --ttt 7 --batch 2
+run kimi-fast-ttt7-cache 60 $K --ttt 7 --autocast-cache
 echo "done t=$(($(date +%s) - START))s"

@@ -57,7 +57,9 @@ class TTTPrefix:
         s = max(ttt_steps - 1, 1)
         split = k.dtype != torch.float32
         dk, dv = k.shape[-1], v.shape[-1]
-        wk, wv = _round8(dk + s * (2 if split else 1)), _round8(dv + s)
+        # one width for keys and values: SDPA's flash kernel (the only one taking enable_gqa;
+        # others fall back to the math path) needs equal head dims, a multiple of 8
+        wk = wv = max(_round8(dk + s * (2 if split else 1)), _round8(dv + s))
         b, h = k.shape[:2]
         eye = torch.eye(s, dtype=k.dtype, device=k.device)
         sk = k.new_zeros(s, wk)
