@@ -296,6 +296,7 @@ class DraftModel(nn.Module):
         past_kv: KVCache | None = None,
         use_cache: bool = False,
         inputs_embeds: torch.Tensor | None = None,
+        logits_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, KVCache]:
         """One draft step.
 
@@ -309,6 +310,9 @@ class DraftModel(nn.Module):
             past_kv: (k, v) prefix, each [B, heads, S, d], keys rotated.
             use_cache: also return this call's (k, v) (without the prefix).
             inputs_embeds: [B, T, H] instead of embedding ``input_ids``.
+            logits_len: logits of the first positions only (the fast TTT step's step i has no
+                target beyond T-1-i: slicing ``out`` here, not the D-wide logits, saves the
+                logits' slice copies in the backward).
 
         Returns:
             ``(out [B, T, H], logits [B, T, D])`` (+ ``(k, v)`` with ``use_cache``). ``out`` is
@@ -333,7 +337,7 @@ class DraftModel(nn.Module):
             position_ids = position_ids.unsqueeze(0).expand(b, t)
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
         out, kv = self.midlayer(inputs_embeds, hidden_states, cos, sin, attn_mask, past_kv)
-        logits = self.lm_head(self.norm(out))
+        logits = self.lm_head(self.norm(out if logits_len is None else out[:, :logits_len]))
         if use_cache:
             return out, logits, kv
         return out, logits

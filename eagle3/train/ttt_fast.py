@@ -34,29 +34,37 @@ class SoftCrossEntropy(torch.autograd.Function):
         ctx, logits: torch.Tensor, probs: torch.Tensor
     ) -> torch.Tensor:
         x = logits.float()
-        lse = torch.logsumexp(x, dim=-1)
         psum = probs.sum(-1)
-        ce = lse * psum - (x * probs).sum(-1)
-        ctx.save_for_backward(logits, probs, lse, psum)
+        ce = torch.logsumexp(x, dim=-1) * psum - (x * probs).sum(-1)
+        ctx.save_for_backward(logits, probs, psum)
         return ce
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        logits, probs, lse, psum = ctx.saved_tensors
-        g = torch.exp(logits.float() - lse.unsqueeze(-1)) * psum.unsqueeze(-1) - probs
-        return (g * grad.unsqueeze(-1)).to(logits.dtype), None
+        logits, probs, psum = ctx.saved_tensors
+        g = torch.softmax(logits.float(), dim=-1)  # one kernel; then in place, no temporaries
+        g.mul_(psum.unsqueeze(-1)).sub_(probs).mul_(grad.unsqueeze(-1))
+        return g.to(logits.dtype), None
 
 
 def fast_unroll(model: DraftModel, batch: Batch, ttt_steps: int):
-    """Yield (step i, logits [B, L, D]) of the unrolled draft (the reference's unroll, with the
-    step-0 keys + diagonals attention of :class:`TTTPrefix` instead of a mask and a KV concat)."""
+    """Yield (step i, logits [B, L-1-i, D]: the positions with a target) of the unrolled draft
+    (the reference's unroll, with the step-0 keys + diagonals attention of :class:`TTTPrefix`
+    instead of a mask and a KV concatenation)."""
     L = batch.input_ids.shape[1]
     pos = torch.arange(L, device=batch.input_ids.device)
     hidden = batch.aux
     prefix: TTTPrefix | None = None
     for i in range(ttt_steps):
         ids = shift_left(batch.input_ids, 1 + i)
-        out, logits, kv = model(ids, hidden, position_ids=pos + i, past_kv=prefix, use_cache=True)
+        out, logits, kv = model(
+            ids,
+            hidden,
+            position_ids=pos + i,
+            past_kv=prefix,
+            use_cache=True,
+            logits_len=max(L - 1 - i, 0),
+        )
         yield i, logits
         if i + 1 < ttt_steps:
             prefix = TTTPrefix.start(kv, ttt_steps) if prefix is None else prefix.extend(kv)
@@ -91,7 +99,7 @@ def fast_ttt_loss(
         if k >= L:  # nothing left to predict (a batch shorter than the unroll)
             total = total + 0.0 * logits.sum()
             continue
-        lg = logits[:, : L - k]
+        lg = logits  # [B, L - k, D]
         ok = batch.target_ok[:, k:]
         ce = SoftCrossEntropy.apply(lg, batch.probs[:, k:])
         ce_sum = (ce * ok).sum()
