@@ -6,8 +6,8 @@ NaN guard becomes fused AdamW's ``found_inf`` (the update and its step count are
 device when the loss or the gradient norm is not finite, as the reference skips ``opt.step()``),
 and the metrics are one packed tensor copied to the host without blocking. The caller reads them
 through :meth:`PendingStep.resolve` when it needs them (the train loop: after it has queued the
-next step, so the GPU never waits for the host). Without a fused optimizer on CUDA (CPU runs)
-the guard reads the flag on the host, which costs nothing there.
+next step, so the GPU never waits for the host). Without a fused optimizer (CPU runs) the guard
+reads the flag on the host, which costs nothing there.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ class PendingStep:
 def step_if_finite(opt: torch.optim.Optimizer, finite: torch.Tensor) -> None:
     """``opt.step()`` only where ``finite``: on the device for a fused optimizer (its
     ``found_inf``, as GradScaler uses it: no update, step count unchanged), else on the host."""
-    fused = all(g.get("fused") for g in opt.param_groups)
-    if fused and finite.is_cuda:
+    if all(g.get("fused") for g in opt.param_groups):
         opt.found_inf = (~finite).float()  # type: ignore[attr-defined]
         opt.step()
     elif bool(finite):
