@@ -72,5 +72,5 @@ def profile_table(step, dev: torch.device, rows: int = 20) -> str:
         for _ in range(2):
             step()
         sync(dev)
-    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
