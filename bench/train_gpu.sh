@@ -2,42 +2,56 @@
 # Issue 15's train-step measurements in one device call (docs/benchmarks.md, "Train stage"):
 # Kimi-K2.5 draft dims, batch 1 x 2048: eager and fast at TTT 7 (with phases and top kernels)
 # and TTT 3, the MLA draft at TTT 7, the SmolLM2-dims draft with the train stage's GPU settings
-# at TTT 3, and the fast-vs-eager loss/gradient match in bf16. Everything goes to $OUT.
+# at TTT 3, and the fast-vs-eager loss/gradient match in bf16. Logs and JSON results go to
+# $OUT/results.tgz (rewritten after every run, so a call cut short still returns what ran) and a
+# line per run to $OUT/summary.txt (the device tool returns at most 8 files).
 #
 #   bash bench/train_gpu.sh                                   # on the GPU machine
 #   K="--seq 64 --steps 1" S="--seq 64 --steps 1" M="--seq 48" PY=.venv/bin/python \
 #       OUT=/tmp/o bash bench/train_gpu.sh                     # a dry run on CPU, tiny shapes
 set -u
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/train-gpu}
+RES=${RES:-/tmp/train-gpu-results}
 PY=${PY:-python3}
 K=${K:---kimi}          # Kimi dims (default seq 2048, batch 1, 10 steps)
 S=${S:---steps 50}      # SmolLM2 dims (default 4 x 512 = 2048 tokens, the demo's token budget)
 M=${M:---kimi}          # the match runs
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$RES"
 if [ -d .whl ] && ! $PY -c "import pydantic" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
+        --target /tmp/site .whl/*.whl > "$RES/pip.log" 2>&1
     export PYTHONPATH=/tmp/site:$PWD
 fi
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
+git rev-parse HEAD > "$RES/commit.txt" 2>/dev/null || true
 (nvidia-smi; $PY -c "import torch; print(torch.__version__, torch.version.cuda)") \
-    > "$OUT/machine.txt" 2>&1
+    > "$RES/machine.txt" 2>&1
 START=$(date +%s)
+
+pack() {  # name of the run just done: its summary line, then everything so far into the tarball
+    echo "$1" | tee -a "$OUT/summary.txt"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+}
 
 run() {  # name, seconds, bench/train.py arguments
     local name=$1 limit=$2
     shift 2
-    timeout "$limit" $PY bench/train.py "$@" --json-out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    timeout "$limit" $PY bench/train.py "$@" --json-out "$RES/$name.json" > "$RES/$name.log" 2>&1
     local rc=$?
-    echo "$name rc=$rc t=$(($(date +%s) - START))s $(grep -E '^step |MFU' "$OUT/$name.log" | tr '\n' ' ')"
+    pack "$name rc=$rc t=$(($(date +%s) - START))s $(grep -E '^step |MFU' "$RES/$name.log" | tr '\n' ' ')"
 }
 
 match() {  # name, seconds, bench/train_match.py arguments
     local name=$1 limit=$2
     shift 2
-    timeout "$limit" $PY bench/train_match.py "$@" --json-out "$OUT/$name.json" \
-        > "$OUT/$name.log" 2>&1
-    echo "$name rc=$? t=$(($(date +%s) - START))s"
+    timeout "$limit" $PY bench/train_match.py "$@" --json-out "$RES/$name.json" \
+        > "$RES/$name.log" 2>&1
+    local rc=$?
+    local got
+    got=$($PY -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["fast_vs_eager"],
+"vs fp32: eager", r["eager"]["grad_vs_fp32"]["overall"], r["eager"]["loss_rel"],
+"fast", r["fast"]["grad_vs_fp32"]["overall"], r["fast"]["loss_rel"])' "$RES/$name.json" 2>&1)
+    pack "$name rc=$rc t=$(($(date +%s) - START))s $got"
 }
 
 run kimi-fast-ttt7 90 $K --ttt 7 --profile
@@ -52,4 +66,4 @@ run smollm2-eager-ttt3 60 $S --ttt 3 --impl eager
 match match-kimi-mla-ttt3 70 $M --arch mla --ttt 3
 run kimi-fast-ttt7-b2 60 $K --ttt 7 --batch 2
 run kimi-fast-ttt7-cache 60 $K --ttt 7 --autocast-cache
-echo "done t=$(($(date +%s) - START))s"
+pack "done t=$(($(date +%s) - START))s"
