@@ -172,6 +172,9 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--profile", action="store_true", help="torch.profiler top kernels")
     ap.add_argument(
+        "--compile", action="store_true", help="torch.compile the norms, MLP and loss math"
+    )
+    ap.add_argument(
         "--autocast-cache",
         action="store_true",
         help="fast step with autocast's weight-cast cache (bf16 sum of the TTT steps' weight "
@@ -229,6 +232,10 @@ def main() -> None:
             f"per step: global batch {world * accum * batch} samples = "
             f"{world * accum * batch * seq} tokens per step"
         )
+    if args.compile:
+        from eagle3.train.compiled import compile_step
+
+        compile_step(model)
     net = wrap_for_training(model, dist_info, dev, ttt, 0.8, impl)
     opt = make_optimizer(model, 1e-4, 0.0, fused=impl == "fast" and dev.type == "cuda")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -341,6 +348,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
     result = {
         "impl": r["impl"],
         "autocast_cache": args.autocast_cache,
+        "compile": args.compile,
         "arch": args.arch,
         "kimi": args.kimi,
         "batch": r["batch"],

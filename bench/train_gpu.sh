@@ -66,4 +66,6 @@ run smollm2-eager-ttt3 60 $S --ttt 3 --impl eager
 match match-kimi-mla-ttt3 70 $M --arch mla --ttt 3
 run kimi-fast-ttt7-b2 60 $K --ttt 7 --batch 2
 run kimi-fast-ttt7-cache 60 $K --ttt 7 --autocast-cache
+run kimi-fast-ttt7-compile 150 $K --ttt 7 --compile
+run smollm2-fast-ttt3-compile 120 $S --ttt 3 --compile
 pack "done t=$(($(date +%s) - START))s"

@@ -25,6 +25,31 @@ from eagle3.draft.ttt_attention import TTTPrefix
 from eagle3.train.batch import Batch, shift_left
 
 
+def _ce_forward(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.float()
+    psum = probs.sum(-1)
+    return torch.logsumexp(x, dim=-1) * psum - (x * probs).sum(-1), psum
+
+
+def _ce_backward(
+    logits: torch.Tensor, probs: torch.Tensor, psum: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    g = torch.softmax(logits.float(), dim=-1)  # one kernel; then in place, no temporaries
+    g.mul_(psum.unsqueeze(-1)).sub_(probs).mul_(grad.unsqueeze(-1))
+    return g.to(logits.dtype)
+
+
+def _ce_backward_functional(
+    logits: torch.Tensor, probs: torch.Tensor, psum: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    g = torch.softmax(logits.float(), dim=-1) * psum.unsqueeze(-1) - probs
+    return (g * grad.unsqueeze(-1)).to(logits.dtype)
+
+
+#: the loss's math; :func:`eagle3.train.compiled.compile_step` swaps in compiled versions
+CE_IMPL = {"forward": _ce_forward, "backward": _ce_backward}
+
+
 class SoftCrossEntropy(torch.autograd.Function):
     """Row-wise ``-sum_d P_d log softmax(x)_d`` for logits x [.., D] (any float dtype) and a
     target distribution P [.., D] (float32; a view is fine: it is saved, never copied)."""
@@ -33,18 +58,14 @@ class SoftCrossEntropy(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, logits: torch.Tensor, probs: torch.Tensor
     ) -> torch.Tensor:
-        x = logits.float()
-        psum = probs.sum(-1)
-        ce = torch.logsumexp(x, dim=-1) * psum - (x * probs).sum(-1)
+        ce, psum = CE_IMPL["forward"](logits, probs)
         ctx.save_for_backward(logits, probs, psum)
         return ce
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         logits, probs, psum = ctx.saved_tensors
-        g = torch.softmax(logits.float(), dim=-1)  # one kernel; then in place, no temporaries
-        g.mul_(psum.unsqueeze(-1)).sub_(probs).mul_(grad.unsqueeze(-1))
-        return g.to(logits.dtype), None
+        return CE_IMPL["backward"](logits, probs, psum, grad), None
 
 
 def fast_unroll(model: DraftModel, batch: Batch, ttt_steps: int):
