@@ -270,7 +270,10 @@ def set_up(
     head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
     impl = resolve_step_impl(tc.step_impl, dev)
     net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay, impl)
-    opt = make_optimizer(model, tc.lr, tc.weight_decay, fused=impl == "fast" and dev.type == "cuda")
+    # fused AdamW (and its found_inf NaN guard) on CUDA; not under FSDP, whose DTensor
+    # parameters have not been run through it on a GPU here (the host-side guard is used there)
+    fused = impl == "fast" and dev.type == "cuda" and d.mode != "fsdp"
+    opt = make_optimizer(model, tc.lr, tc.weight_decay, fused=fused)
     trainable = [p for p in model.parameters() if p.requires_grad]
     per_epoch = len(epoch_batches(ds, tc.token_budget, tc.seed, 0))
     group = d.world * tc.grad_accum
