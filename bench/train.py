@@ -237,7 +237,8 @@ def main() -> None:
 
         compile_step(model)
     net = wrap_for_training(model, dist_info, dev, ttt, 0.8, impl)
-    opt = make_optimizer(model, 1e-4, 0.0, fused=impl == "fast" and dev.type == "cuda")
+    fused = impl == "fast" and dev.type == "cuda" and not args.fsdp  # as the train stage
+    opt = make_optimizer(model, 1e-4, 0.0, fused=fused)
     params = [p for p in model.parameters() if p.requires_grad]
     state_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     h, v = cfg.hidden_size, cfg.vocab_size
