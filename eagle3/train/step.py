@@ -74,8 +74,8 @@ def train_step(
 
 
 def resolve_step_impl(setting: str, dev: torch.device) -> str:
-    """``train.step_impl``: ``auto`` is ``fast`` on every device (measured faster on CUDA and
-    on CPU: docs/benchmarks.md, "Train stage")."""
+    """``train.step_impl``: ``auto`` is ``fast`` on every device (on CPU it measured as fast as
+    the reference, the demo's train stage included: docs/benchmarks.md, "Train stage")."""
     return "fast" if setting == "auto" else setting
 
 
