@@ -63,6 +63,7 @@ run smollm2-fast-ttt3 60 $S --ttt 3
 match match-kimi-ttt3 70 $M --ttt 3
 run kimi-mla-eager-ttt7 70 $K --arch mla --ttt 7 --impl eager
 run smollm2-eager-ttt3 60 $S --ttt 3 --impl eager
+run smollm2-fast-ttt3-b16 60 $S --ttt 3 --batch 16
 match match-kimi-mla-ttt3 70 $M --arch mla --ttt 3
 run kimi-fast-ttt7-b2 60 $K --ttt 7 --batch 2
 run kimi-fast-ttt7-cache 60 $K --ttt 7 --autocast-cache
