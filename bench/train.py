@@ -175,6 +175,11 @@ def parse() -> argparse.Namespace:
         "--compile", action="store_true", help="torch.compile the norms, MLP and loss math"
     )
     ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="CUDA: warn at every host sync during the measured steps (torch's sync debug mode)",
+    )
+    ap.add_argument(
         "--autocast-cache",
         action="store_true",
         help="fast step with autocast's weight-cast cache (bf16 sum of the TTT steps' weight "
@@ -277,6 +282,8 @@ def main() -> None:
     if world > 1:
         dist.barrier()
     phases.on = True
+    if args.sync_debug and dev.type == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
@@ -284,6 +291,8 @@ def main() -> None:
     sync(dev)
     dt = (time.perf_counter() - t0) / steps
     phases.on = False
+    if args.sync_debug and dev.type == "cuda":
+        torch.cuda.set_sync_debug_mode("default")
     report(args, locals_for_report(locals()))
     if args.profile and rank == 0:
         print(profile_table(step, dev))

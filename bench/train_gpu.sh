@@ -61,6 +61,7 @@ run kimi-eager-ttt3 60 $K --ttt 3 --impl eager
 run kimi-mla-fast-ttt7 70 $K --arch mla --ttt 7
 run smollm2-fast-ttt3 60 $S --ttt 3
 match match-kimi-ttt3 70 $M --ttt 3
+run smollm2-fast-ttt3-syncs 40 $S --ttt 3 --steps 3 --sync-debug
 run kimi-mla-eager-ttt7 70 $K --arch mla --ttt 7 --impl eager
 run smollm2-eager-ttt3 60 $S --ttt 3 --impl eager
 run smollm2-fast-ttt3-b16 60 $S --ttt 3 --batch 16

@@ -60,12 +60,13 @@ def make_batch_fast(
     mask = torch.zeros(b, L, dtype=torch.bool, pin_memory=pin)
     aux = torch.zeros(b, L, a0.shape[-1], dtype=a0.dtype, pin_memory=pin)
     final = torch.zeros(b, L, f0.shape[-1], dtype=f0.dtype, pin_memory=pin)
+    valid = torch.zeros(b, L, dtype=torch.bool, pin_memory=pin)  # (pageable would block)
     for j, (s, n) in enumerate(zip(samples, lens)):
+        valid[j, :n] = True
         ids[j, :n] = s.input_ids[:n]
         mask[j, :n] = s.loss_mask[:n].bool()
         aux[j, :n] = s.aux[:n]
         final[j, :n] = s.final[:n]
-    valid = torch.arange(L).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
     ids, mask, aux, final, valid = (
         x.to(device, non_blocking=pin) for x in (ids, mask, aux, final, valid)
     )

@@ -111,9 +111,8 @@ def fast_train_step(
         sums += stats
     if d.world > 1:
         dist.all_reduce(sums)
-    decay = torch.tensor(
-        [ttt_decay**i for i in range(ttt_steps)], dtype=torch.float64, device=sums.device
-    )
+    # computed on the device: torch.tensor(list, device=cuda) is a blocking host copy
+    decay = ttt_decay ** torch.arange(ttt_steps, dtype=torch.float64, device=sums.device)
     total = (decay * sums[0] / sums[2].clamp(min=1)).sum()
     gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     if isinstance(gnorm, DTensor):
