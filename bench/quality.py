@@ -359,7 +359,7 @@ def subset_folder(full: Path, gen: Path, n: int, out: Path) -> Path:
 
     index = json.loads((full / "index.json").read_text())
     order = [s["id"] for s in iter_samples(gen) if s["id"] in index]
-    keep = order if n <= 0 else order[:n]
+    keep = list(index) if n <= 0 else order[:n]  # all: extract.dataset_answers' samples too
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -512,7 +512,7 @@ def cmd_run(a) -> None:
 
 
 def cmd_extract(a) -> None:
-    extract_folder(Path(a.gen), Path(a.out))
+    extract_folder(Path(a.gen), Path(a.out), a.set or [])
 
 
 def cmd_eval(a) -> None:
@@ -648,6 +648,9 @@ def main() -> None:
     p = sub.add_parser("extract")
     p.add_argument("--gen", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--set", action="append", help="config overrides, e.g. extract.dataset_answers=N"
+    )
     p = sub.add_parser("eval")
     p.add_argument("--draft", required=True)
     p.add_argument("--name", required=True)

@@ -292,6 +292,12 @@ class ExtractConfig(_Section):
         "generate.dataset with the dataset's own first answer (no generation; the labels "
         "stay the target's distribution). 0 = off. docs/train.md, 'Draft quality'.",
     )
+    dataset_answer_turns: int = Field(
+        1,
+        ge=1,
+        description="Answers per dataset conversation in one sequence: 1 = the first answer; "
+        "N = up to N user/answer turns (later turns as MT-bench's second turns see them).",
+    )
     reuse_previous: bool = Field(
         True,
         description="Copy the samples the latest extract with the same settings "

@@ -87,3 +87,34 @@ def test_dataset_answers_add_the_datasets_own_answers(smol_model, tmp_path):
         cfg, gen, tmp_path / "ext", str(smol_model)
     )  # a rerun resumes: nothing computed twice
     assert again["samples"] == 3 and again["this_run"]["stored"] == 0
+
+
+def test_later_turns_continue_the_sequence_as_a_server_would_prompt_them(smol_model):
+    """dataset_answer_turns=2: one sequence = turn 2's prompt (the history through the chat
+    template) + its answer; both answers in the loss, a trailing unanswered user turn left out."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from eagle3.extract.answers import answer_example
+
+    tok = AutoTokenizer.from_pretrained(smol_model)
+    msgs = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Red, of course."},
+        {"role": "user", "content": "And a third?"},
+    ]
+    stats: Counter = Counter()
+    one = answer_example(tok, msgs, {}, 1, stats)
+    two = answer_example(tok, msgs, {}, 3, stats)
+    assert not stats
+    assert two.input_ids[: len(one.input_ids)] == one.input_ids
+    second = template_prompt_ids(tok, msgs[:3])
+    assert two.input_ids[: len(second)] == second  # what verify sends for turn 2
+    answer2 = tok.encode("Red, of course.", add_special_tokens=False) + [tok.eos_token_id]
+    assert two.input_ids[len(second) :] == answer2
+    loss = [i for i, m in zip(two.input_ids, two.loss_mask) if m]
+    assert tok.decode(loss) == "Blue.<|im_end|>Red, of course.<|im_end|>"
+    assert one.id != two.id and one.id == answer_example(tok, msgs[:2], {}).id

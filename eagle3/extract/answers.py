@@ -11,7 +11,8 @@ own answers still matter: they hold what it writes when serving (its loops inclu
 
 Each conversation that opens with a user turn gives one example: the first user turn through
 the chat template, then the first answer's tokens and the end-of-turn token; the loss covers
-the answer. Conversations whose prompt the generate stage answered are left out (that prompt is
+the answer. With ``extract.dataset_answer_turns`` N > 1 the example goes on through up to N
+user/answer pairs (MT-bench's second turns are such contexts), every answer in the loss. Conversations whose prompt the generate stage answered are left out (that prompt is
 already there, with the target's own answer), and so are excluded prompts (MT-bench).
 """
 
@@ -42,21 +43,44 @@ def answer_example(
     tokenizer: Any,
     messages: list[dict[str, str]],
     chat_template_kwargs: dict[str, Any],
+    turns: int = 1,
+    stats: Counter | None = None,
 ) -> Example:
-    """One example from a conversation's first user turn and the answer after it."""
+    """One example from a conversation's first user turn and the answer after it; with
+    ``turns`` > 1 also the next user/answer pairs, in one sequence, each answer in the loss.
+
+    A later turn is rendered the way a server builds its prompt (the history's text through the
+    chat template); it is appended only where that rendering starts with the sequence so far
+    (the answer's own tokens + end-of-turn), so the one sequence equals each turn's prompt plus
+    its answer. Where it does not (a template that rewrites the history), the example stops
+    there and ``stats`` counts it."""
     prompt = select_turns(messages, "first")
-    answer = messages[len(prompt)]
-    if answer["role"] != "assistant" or not answer["content"].strip():
-        raise RowError("no answer after the first user turn")
     ids = template_prompt_ids(tokenizer, prompt, chat_template_kwargs)
-    completion = tokenizer.encode(answer["content"], add_special_tokens=False)
+    mask = [0] * len(ids)
     eot = tokenizer.eos_token_id  # SmolLM2 / ChatML: <|im_end|>, what the target ends a turn with
-    completion += [eot] if eot is not None else []
-    return Example(
-        ID_PREFIX + sample_id([*prompt, answer]),
-        ids + completion,
-        [0] * len(ids) + [1] * len(completion),
-    )
+    history = list(prompt)
+    for turn in range(turns):
+        answer = messages[len(history)] if len(history) < len(messages) else None
+        if answer is None or answer["role"] != "assistant" or not answer["content"].strip():
+            if turn == 0:
+                raise RowError("no answer after the first user turn")
+            break
+        completion = tokenizer.encode(answer["content"], add_special_tokens=False)
+        completion += [eot] if eot is not None else []
+        ids, mask = ids + completion, mask + [1] * len(completion)
+        history.append(answer)
+        nxt, reply = (messages[len(history) : len(history) + 2] + [None, None])[:2]
+        if turn + 1 == turns or nxt is None or nxt["role"] != "user" or reply is None:
+            break  # (a user turn with no answer after it adds no loss)
+        following = template_prompt_ids(tokenizer, [*history, nxt], chat_template_kwargs)
+        if following[: len(ids)] != ids:
+            if stats is not None:
+                stats["later turn: the chat template re-renders the history"] += 1
+            break
+        mask += [0] * (len(following) - len(ids))
+        ids = following
+        history.append(nxt)
+    return Example(ID_PREFIX + sample_id(history), ids, mask)
 
 
 def dataset_answer_examples(
@@ -65,14 +89,13 @@ def dataset_answer_examples(
     """Up to ``extract.dataset_answers`` examples of ``generate.dataset`` in a seeded order
     (``generate.seed``); rows are parsed lazily. Rows that give none are counted in ``stats`` by
     reason (they are rows of the dataset, not samples: the generate stage records unreadable ones)."""
-    g, want = cfg.generate, cfg.extract.dataset_answers
+    g, want, turns = cfg.generate, cfg.extract.dataset_answers, cfg.extract.dataset_answer_turns
     stats = stats if stats is not None else Counter()
     rows, _ = open_rows(g.dataset, g.split)
     exclude = exclusion_keys(g.exclude_files, mt_bench=g.exclude_mt_bench)
     order = list(range(len(rows)))
-    random.Random(g.seed + 1).shuffle(
-        order
-    )  # not generate's order: its first prompts are left out anyway
+    # not generate's order: its first prompts are left out anyway
+    random.Random(g.seed + 1).shuffle(order)
     taken, seen = 0, set()
     for idx in order:
         if taken >= want:
@@ -92,7 +115,7 @@ def dataset_answer_examples(
             if any(_key(m["content"]) in exclude for m in prompt if m["role"] == "user"):
                 stats["excluded prompt"] += 1
                 continue
-            ex = answer_example(tokenizer, msgs, g.chat_template_kwargs)
+            ex = answer_example(tokenizer, msgs, g.chat_template_kwargs, turns, stats)
         except IndexError:
             stats["no answer after the first user turn"] += 1
             continue
