@@ -316,6 +316,16 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.02, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(0.5, gt=0)
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw: AdamW over everything. muon: Muon over the layer's and fc's matrices "
+        "(its update scaled to AdamW's RMS, so lr carries over), AdamW over the rest "
+        "(speculators' default; docs/train.md, Draft quality).",
+    )
+    muon_weight_decay: float = Field(0.1, ge=0, description="Weight decay of the Muon group.")
+    lr_schedule: Literal["cosine", "linear"] = Field(
+        "cosine", description="After the linear warmup: cosine or linear decay to 0."
+    )
     ttt_steps: int = Field(7, ge=1)
     ttt_decay: float = Field(0.8, gt=0, le=1)
     token_budget: int = Field(8192, gt=0)
@@ -335,6 +345,11 @@ class TrainConfig(_Section):
     )
     freeze_head: bool = Field(
         False, description="Keep lm_head (and the final norm) fixed at their init."
+    )
+    norm_before_residual: bool = Field(
+        False,
+        description="The layer's residual is the normed hidden state (speculators' default); "
+        "written to the export's config, which vLLM reads.",
     )
     feature_noise: float = Field(
         0.0,

@@ -252,27 +252,43 @@ def test_loss_decreases_and_top1_rises(setup):
     assert json.loads((tmp / "run-learn" / "manifest.json").read_text())["complete"] is True
 
 
-def test_exact_resume(setup):
+RECIPES = {
+    "adamw": {},
+    # speculators' recipe: Muon + AdamW (two optimizers, one checkpoint), linear decay, the
+    # normed residual (written to the export's config)
+    "muon": {"optimizer": "muon", "lr_schedule": "linear", "norm_before_residual": True},
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_exact_resume(setup, recipe):
     tmp, target, _, ext, vocab = setup
-    cfg = make_cfg(epochs=2, checkpoint_every_steps=2)
-    straight = train(cfg, ext, vocab, target, tmp / "run-a")
+    cfg = make_cfg(epochs=2, checkpoint_every_steps=2, **RECIPES[recipe])
+    a_dir, b_dir = tmp / f"run-a-{recipe}", tmp / f"run-b-{recipe}"
+    straight = train(cfg, ext, vocab, target, a_dir)
     total = straight["steps"]
     half = total // 2 + 1  # mid-epoch on purpose
-    part = train(cfg, ext, vocab, target, tmp / "run-b", max_steps=half)
+    part = train(cfg, ext, vocab, target, b_dir, max_steps=half)
     assert part["complete"] is False and part["step"] == half
-    rest = train(cfg, ext, vocab, target, tmp / "run-b")
+    rest = train(cfg, ext, vocab, target, b_dir)
     assert rest["complete"] and rest["resumed_from_step"] == half and rest["steps"] == total
-    a = load_file(str(tmp / "run-a" / "checkpoints" / "latest" / "model.safetensors"))
-    b = load_file(str(tmp / "run-b" / "checkpoints" / "latest" / "model.safetensors"))
+    a = load_file(str(a_dir / "checkpoints" / "latest" / "model.safetensors"))
+    b = load_file(str(b_dir / "checkpoints" / "latest" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
-    oa = load_file(str(tmp / "run-a" / "checkpoints" / "latest" / "optimizer.safetensors"))
-    ob = load_file(str(tmp / "run-b" / "checkpoints" / "latest" / "optimizer.safetensors"))
+    oa = load_file(str(a_dir / "checkpoints" / "latest" / "optimizer.safetensors"))
+    ob = load_file(str(b_dir / "checkpoints" / "latest" / "optimizer.safetensors"))
+    assert oa.keys() == ob.keys()
+    if recipe == "muon":  # Muon's momentum for the matrices, AdamW's moments for the rest
+        assert any(k.endswith("momentum_buffer") for k in oa)
+        assert any(k.endswith("exp_avg_sq") for k in oa)
+        conf = json.loads((Path(straight["export"]) / "config.json").read_text())
+        assert conf["norm_before_residual"] is True
     for k in oa:
         torch.testing.assert_close(oa[k], ob[k], atol=1e-6, rtol=1e-6)
-    ma = json.loads((tmp / "run-a" / "metrics.json").read_text())
-    mb = json.loads((tmp / "run-b" / "metrics.json").read_text())
+    ma = json.loads((a_dir / "metrics.json").read_text())
+    mb = json.loads((b_dir / "metrics.json").read_text())
     for ea, eb in zip(ma["epochs"], mb["epochs"]):
         assert ea["top1"] == eb["top1"]
         assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(ea["loss"], eb["loss"]))

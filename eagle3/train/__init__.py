@@ -8,7 +8,8 @@ Read in this order:
 - :mod:`~eagle3.train.batch`: padding, and the shift of each TTT step.
 - :mod:`~eagle3.train.ttt`: the unrolled draft, its attention mask and loss (the exact alignment).
 - :mod:`~eagle3.train.ttt_fast`: the same unroll and loss without the waste (the default step).
-- :mod:`~eagle3.train.step`: the LR schedule, AdamW and one optimizer step (reference);
+- :mod:`~eagle3.train.optim`: AdamW or Muon + AdamW, and the LR schedule.
+- :mod:`~eagle3.train.step`: one optimizer step (reference);
   :mod:`~eagle3.train.step_fast`: the step with no host sync.
 - :mod:`~eagle3.train.progress`: counting steps (the NaN guard), one step in flight.
 - :mod:`~eagle3.train.distributed`: torchrun, DDP / FSDP.
@@ -35,7 +36,8 @@ from eagle3.train.progress import (
     TrainingDiverged,
     check_finite,
 )
-from eagle3.train.step import StepResult, lr_at, make_optimizer, train_step
+from eagle3.train.optim import lr_at, make_optimizer
+from eagle3.train.step import StepResult, train_step
 from eagle3.train.target import (
     TargetHead,
     init_head_from_target,

@@ -34,7 +34,8 @@ from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
 from eagle3.train.metrics import epoch_metrics, write_metrics
 from eagle3.train.progress import StepQueue, check_finite
-from eagle3.train.step import lr_at, make_optimizer, resolve_step_impl, train_step_async
+from eagle3.train.optim import lr_at, make_optimizer
+from eagle3.train.step import resolve_step_impl, train_step_async
 from eagle3.train.step_fast import PendingStep, StepResult
 from eagle3.train.target import TargetHead, init_head_from_target, load_target_head
 from eagle3.vocab import VocabMapping, load_vocab
@@ -219,6 +220,7 @@ def build_model(
             "num_attention_heads": tc.draft_num_attention_heads,
             "num_key_value_heads": tc.draft_num_key_value_heads,
             "intermediate_size": tc.draft_intermediate_size,
+            "norm_before_residual": tc.norm_before_residual or None,
         }.items()
         if v is not None
     }
@@ -273,7 +275,7 @@ def set_up(
     # fused AdamW (and its found_inf NaN guard) on CUDA; not under FSDP, whose DTensor
     # parameters have not been run through it on a GPU here (the host-side guard is used there)
     fused = impl == "fast" and dev.type == "cuda" and d.mode != "fsdp"
-    opt = make_optimizer(model, tc.lr, tc.weight_decay, fused=fused)
+    opt = make_optimizer(model, tc.lr, tc.weight_decay, fused, tc.optimizer, tc.muon_weight_decay)
     trainable = [p for p in model.parameters() if p.requires_grad]
     per_epoch = len(epoch_batches(ds, tc.token_budget, tc.seed, 0))
     group = d.world * tc.grad_accum
@@ -347,7 +349,7 @@ def run_epochs(
                 queue.settle()
                 return False
             step_batches = batches[state.batch_in_epoch : state.batch_in_epoch + run.group]
-            lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio)
+            lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio, tc.lr_schedule)
             queue.push(optimizer_step(run, step_batches, lr, autocast), lr, len(step_batches))
             if state.step % tc.checkpoint_every_steps == 0:
                 queue.settle()

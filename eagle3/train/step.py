@@ -1,4 +1,4 @@
-"""One optimizer step: the LR schedule, AdamW, and the step over this rank's micro-batches.
+"""One optimizer step over this rank's micro-batches (the optimizer and the schedule: :mod:`eagle3.train.optim`).
 
 :func:`train_step` runs the reference (``eager``) step or the fast one
 (:mod:`eagle3.train.step_fast`), whichever the objective was built with."""
@@ -18,34 +18,6 @@ from eagle3.train.batch import Batch
 from eagle3.train.distributed import Dist, grad_sync
 from eagle3.train.step_fast import Marks, PendingStep, StepResult, fast_train_step
 from eagle3.train.ttt import step_counts
-
-
-def lr_at(step: int, total: int, base_lr: float, warmup_ratio: float) -> float:
-    """Linear warmup then cosine to 0; a pure function of the step (the scheduler's state)."""
-    warmup = int(warmup_ratio * total)
-    if step < warmup:
-        return base_lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return base_lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def make_optimizer(
-    model: DraftModel, lr: float, weight_decay: float, fused: bool = False
-) -> torch.optim.AdamW:
-    """AdamW, betas 0.9/0.95, no weight decay on norms (1-d parameters). ``fused``: one kernel
-    for all parameters (CUDA; same state names and maths, so checkpoints move between both)."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if p.dim() >= 2]
-    no_decay = [p for n, p in params if p.dim() < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=lr,
-        betas=(0.9, 0.95),
-        fused=True if fused else None,
-    )
 
 
 def train_step(
