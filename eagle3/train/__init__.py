@@ -30,13 +30,13 @@ from eagle3.train.batch import (
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
 from eagle3.train.loop import train
+from eagle3.train.optim import lr_at, make_optimizer
 from eagle3.train.progress import (
     MAX_CONSECUTIVE_NAN,
     MIN_FINITE_FRACTION,
     TrainingDiverged,
     check_finite,
 )
-from eagle3.train.optim import lr_at, make_optimizer
 from eagle3.train.step import StepResult, train_step
 from eagle3.train.target import (
     TargetHead,

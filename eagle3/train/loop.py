@@ -33,8 +33,8 @@ from eagle3.train.batch import add_feature_noise, make_batch, make_batch_fast, z
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
 from eagle3.train.metrics import epoch_metrics, write_metrics
-from eagle3.train.progress import StepQueue, check_finite
 from eagle3.train.optim import lr_at, make_optimizer
+from eagle3.train.progress import StepQueue, check_finite
 from eagle3.train.step import resolve_step_impl, train_step_async
 from eagle3.train.step_fast import PendingStep, StepResult
 from eagle3.train.target import TargetHead, init_head_from_target, load_target_head

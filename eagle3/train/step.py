@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from eagle3.draft import DraftModel
 from eagle3.train.batch import Batch
 from eagle3.train.distributed import Dist, grad_sync
 from eagle3.train.step_fast import Marks, PendingStep, StepResult, fast_train_step
