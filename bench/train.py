@@ -213,7 +213,7 @@ def main() -> None:
     batch = args.batch or (1 if args.kimi else 4)
     ttt = args.ttt or (7 if args.kimi else 3)
     steps = args.steps or (10 if args.kimi else 5)
-    impl = resolve_step_impl(args.impl, dev)
+    impl = resolve_step_impl(args.impl)
     cfg, model, head = build(args, dev)
     say = print if rank == 0 else (lambda *a, **k: None)
     gpu = f" {torch.cuda.get_device_name()}" if dev.type == "cuda" else ""

@@ -270,7 +270,7 @@ def set_up(
     model.to(dev)
     hold_frozen_bf16(model, dev)
     head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
-    impl = resolve_step_impl(tc.step_impl, dev)
+    impl = resolve_step_impl(tc.step_impl)
     net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay, impl)
     # fused AdamW (and its found_inf NaN guard) on CUDA; not under FSDP, whose DTensor
     # parameters have not been run through it on a GPU here (the host-side guard is used there)

@@ -14,8 +14,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from eagle3.train.batch import Batch
-from eagle3.train.distributed import Dist, grad_sync
-from eagle3.train.step_fast import Marks, PendingStep, StepResult, fast_train_step
+from eagle3.train.distributed import Dist
+from eagle3.train.step_fast import (
+    Marks,
+    PendingStep,
+    StepResult,
+    fast_train_step,
+    forward_backward,
+    global_denominator,
+)
 from eagle3.train.ttt import step_counts
 
 
@@ -44,7 +51,7 @@ def train_step(
     return pending if isinstance(pending, StepResult) else pending.resolve()
 
 
-def resolve_step_impl(setting: str, dev: torch.device) -> str:
+def resolve_step_impl(setting: str) -> str:
     """``train.step_impl``: ``auto`` is ``fast`` on every device (on CPU it measured as fast as
     the reference, the demo's train stage included: docs/benchmarks.md, "Train stage")."""
     return "fast" if setting == "auto" else setting
@@ -72,20 +79,9 @@ def train_step_async(
         args = (ttt_steps, ttt_decay, grad_clip, autocast, marks)
         return fast_train_step(net, opt, params, micro, d, *args)
     mark = marks or (lambda _name: None)
-    counts = sum(step_counts(b, ttt_steps) for b in micro)
-    if d.world > 1:
-        dist.all_reduce(counts)
-    denom = counts.clamp(min=1).float()
-    sums = torch.zeros(
-        3, ttt_steps, dtype=torch.float64, device=counts.device
-    )  # ce sum, correct, count
-    for j, b in enumerate(micro):
-        with grad_sync(net, d, j == len(micro) - 1):
-            with autocast:
-                loss, stats = net(b, denom)
-            mark("forward")
-            (loss * d.world).backward()
-            mark("backward")
+    denom = global_denominator(sum(step_counts(b, ttt_steps) for b in micro), d)
+    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=denom.device)  # ce, correct, n
+    for stats in forward_backward(net, micro, d, denom, autocast, mark):
         sums += torch.tensor(
             [[s["sum"] for s in stats], [s["correct"] for s in stats], [s["count"] for s in stats]],
             dtype=torch.float64,

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,34 @@ class PendingStep:
         return StepResult(total, per_step, gnorm, finite)
 
 
+def global_denominator(counts: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Counted positions per TTT step of the global batch (all ranks), at least 1: each
+    micro-batch's loss is then its exact share of the global loss."""
+    if d.world > 1:
+        dist.all_reduce(counts)
+    return counts.clamp(min=1).float()
+
+
+def forward_backward(
+    net: nn.Module,
+    micro: list[Batch],
+    d: Dist,
+    denom: torch.Tensor,
+    autocast: contextlib.AbstractContextManager,
+    mark: Callable[[str], None],
+) -> Iterator[Any]:
+    """Forward and backward of each micro-batch (gradients synced across ranks on the last one
+    only; x ``d.world`` undoes DDP's / FSDP's averaging); yields each one's loss statistics."""
+    for j, b in enumerate(micro):
+        with grad_sync(net, d, j == len(micro) - 1):
+            with autocast:
+                loss, stats = net(b, denom)
+            mark("forward")
+            (loss * d.world).backward()
+            mark("backward")
+        yield stats
+
+
 def step_if_finite(opt: torch.optim.Optimizer, finite: torch.Tensor) -> None:
     """``opt.step()`` only where ``finite``: on the device for a fused optimizer (its
     ``found_inf``, as GradScaler uses it: no update, step count unchanged), else on the host."""
@@ -96,18 +125,9 @@ def fast_train_step(
     per-step denominators of the global batch all-reduced first, x ``d.world`` against the
     gradient averaging, a non-finite loss or norm skips the step on every rank alike)."""
     mark = marks or (lambda _name: None)
-    counts = sum(fast_counts(b, ttt_steps) for b in micro)
-    if d.world > 1:
-        dist.all_reduce(counts)
-    denom = counts.clamp(min=1).float()
-    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=counts.device)
-    for j, b in enumerate(micro):
-        with grad_sync(net, d, j == len(micro) - 1):
-            with autocast:
-                loss, stats = net(b, denom)
-            mark("forward")
-            (loss * d.world).backward()
-            mark("backward")
+    denom = global_denominator(sum(fast_counts(b, ttt_steps) for b in micro), d)
+    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=denom.device)
+    for stats in forward_backward(net, micro, d, denom, autocast, mark):
         sums += stats
     if d.world > 1:
         dist.all_reduce(sums)
@@ -124,4 +144,12 @@ def fast_train_step(
     return PendingStep(total, sums, gnorm, finite)
 
 
-__all__ = ["Marks", "PendingStep", "StepResult", "fast_train_step", "step_if_finite"]
+__all__ = [
+    "Marks",
+    "PendingStep",
+    "StepResult",
+    "fast_train_step",
+    "forward_backward",
+    "global_denominator",
+    "step_if_finite",
+]
