@@ -12,27 +12,27 @@ a stage whose folder is complete is a cache hit and does not run, so rerunning a
 redoes only the failed stage and what depends on it, and an unchanged rerun starts no server
 at all. ``stages`` runs a subset (the others are read from their ``latest`` artifacts: "train
 on the latest artifacts"); ``force`` recomputes stages, and everything after them, from scratch.
+The report (hero-run.json, the UI's summary artifacts, the closing lines) is flows/hero_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3 import PROJECT_ROOT, artifacts, stages
-from eagle3.atomic import write_json_atomic
 from eagle3.config import ConfigError, PipelineConfig, load_config
 from eagle3.generate.status import generate_status
 from eagle3.serving.gpus import units_restored
+from flows.hero_report import ngram_summary as ngram_summary  # re-exported
+from flows.hero_report import print_summary, write_report
 from tasks.caching import StageCall, call_stage
 from tasks.extract import extract_task
 from tasks.generate import generate_task
@@ -85,7 +85,8 @@ def resolve_profile(profile: str) -> Path:
         if cand.is_file():
             return cand
     raise ConfigError(
-        f"profile {profile!r} not found (as a path, under {PROJECT_ROOT}, or as configs/<name>.yaml)"
+        f"profile {profile!r} not found "
+        f"(as a path, under {PROJECT_ROOT}, or as configs/<name>.yaml)"
     )
 
 
@@ -207,97 +208,6 @@ def _generate(
 
 
 # ---------------------------------------------------------------------------
-# The report
-
-
-def _png_markdown(path: Path, title: str) -> str:
-    """A plot inline (data URI): the UI shows it without access to the run's disk."""
-    if not path.is_file() or path.stat().st_size > 400_000:
-        return ""
-    return f"\n### {title}\n\n![{title}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})\n"
-
-
-def _report(cfg: PipelineConfig, summary: dict[str, Any]) -> None:
-    """hero-run.json in the run dir, and the UI's markdown summary and tables."""
-    cfg.paths.run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(cfg.paths.run_dir / "hero-run.json", summary)
-    stages = summary["stages"]
-    rows = [
-        {
-            "stage": s,
-            "status": c["status"],
-            "key": c["key"],
-            "task s": c["task_wall_s"],
-            "library s": c["lib_wall_s"],
-            "Prefect overhead s": c["overhead_s"],
-        }
-        for s, c in stages.items()
-    ]
-    create_table_artifact(
-        key="hero-run-stages",
-        table=rows,
-        description="Stages of this hero run: cache hits, wall time, Prefect's overhead",
-    )
-    lines = [
-        f"# Hero run: {summary['profile']}",
-        "",
-        f"- target: `{summary['model']}`",
-        f"- run dir: `{summary['run_dir']}`; wall time {summary['wall_s']:.1f} s",
-        f"- server: {'none started (nothing to request)' if not summary['server'] else summary['server']}",
-    ]
-    if summary.get("smoke_chat"):
-        lines.append(f"- smoke chat: {summary['smoke_chat']['content']!r}")
-    info = {s: c.get("info", {}) for s, c in stages.items()}
-    if "generate" in info:
-        g = info["generate"]
-        lines.append(
-            f"- generate: {g.get('samples')} samples, {g.get('completion_tokens')} completion tokens, "
-            f"errors {g.get('errors_by_kind')}"
-        )
-    if "extract" in info:
-        e = info["extract"]
-        lines.append(
-            f"- extract: {e.get('samples')} samples, {e.get('tokens')} tokens, layers {e.get('aux_layers')}"
-        )
-    if "vocab" in info:
-        v = info["vocab"]
-        lines.append(
-            f"- vocab: {v.get('draft_vocab_size')} draft ids cover {v.get('coverage', 0):.2%} of loss tokens"
-        )
-    if "train" in info:
-        t = info["train"]
-        lines.append(
-            f"- train: {t.get('steps')} steps, final top-1 per TTT step {t.get('final_top1')}"
-        )
-    if summary.get("acceptance_length") is not None or "verify" in info:
-        v = info.get("verify", {})
-        lines.append(
-            f"- **verify: acceptance length {summary.get('acceptance_length')}**, speedup {v.get('speedup')}, "
-            f"gate {(v.get('gate') or {}).get('passed')}"
-        )
-        ngram = ngram_summary(stages.get("verify", {}).get("dir"))
-        if ngram:
-            lines.append(f"- n-gram baseline (prompt lookup, same workload): {ngram}")
-    if summary.get("failed"):
-        lines.append(f"- **failed in {summary['failed']['stage']}**: {summary['failed']['error']}")
-    lines += ["", "| stage | status | key | task s | library s |", "|---|---|---|---|---|"]
-    lines += [
-        f"| {r['stage']} | {r['status']} | `{r['key']}` | {r['task s']} | {r['library s']} |"
-        for r in rows
-    ]
-    for stage, name, title in (
-        ("vocab", "coverage.png", "Vocabulary coverage"),
-        ("train", "metrics.png", "Training metrics"),
-        ("verify", "report.png", "Verify: acceptance and speedup"),
-    ):
-        if stage in stages:
-            lines.append(_png_markdown(Path(stages[stage]["dir"]) / name, title))
-    create_markdown_artifact(
-        key="hero-run-summary", markdown="\n".join(lines), description="Hero run summary"
-    )
-
-
-# ---------------------------------------------------------------------------
 # The flow
 
 
@@ -312,9 +222,32 @@ def hero_run(params: HeroRunParams = DEFAULT_PARAMS) -> dict[str, Any]:
     """Run the selected stages of a profile; cached stages are reused, not recomputed."""
     started = time.monotonic()
     cfg = load_params(params)
-    # systemd + serve.stop_running_unit: a unit that ran before the run runs after it (eagle3.serving.gpus)
+    # systemd + serve.stop_running_unit: a unit that ran before the run runs after it
+    # (eagle3.serving.gpus)
     with units_restored(cfg, log=get_run_logger().info):
         return _stages(cfg, params, started)
+
+
+@dataclass
+class _Run:
+    """One hero run's stages so far: their calls, and the stage in progress (for the report)."""
+
+    cfg: PipelineConfig
+    selected: set[str]
+    forced: set[str]
+    model: str
+    calls: dict[str, StageCall] = field(default_factory=dict)
+    current: str = "generate"
+
+    def stage(self, name: str, task: Any, **kwargs: Any) -> StageCall:
+        """One stage on its inputs' folders (the stage reads what it needs from them)."""
+        self.current = name
+        if name not in self.selected:
+            return _use_latest(self.cfg, name)
+        dirs = {i: self.calls[i].out_dir for i in stages.STAGES[name].inputs}
+        keys = stages.input_keys(name, {i: Path(d) for i, d in dirs.items()})
+        key = stages.stage_key(self.cfg, name, keys)
+        return _run_stage(name, task, self.cfg, key, self.forced, input_dirs=dirs, **kwargs)
 
 
 def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[str, Any]:
@@ -330,8 +263,26 @@ def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[
     )
     model = prepare_model_task(cfg)
     server = LazyServer(cfg, model)
-    calls: dict[str, StageCall] = {}
-    summary: dict[str, Any] = {
+    run = _Run(cfg, selected, forced, model)
+    summary = _new_summary(cfg, params, model)
+    try:
+        _generate_phase(run, server, summary)
+        _later_stages(run, summary)
+    except BaseException as e:
+        _record_failure(run, summary, e)
+        raise
+    finally:
+        _finish_summary(run, summary, started)
+    logger.info(
+        "hero run done in %.1f s: %s",
+        summary["wall_s"],
+        ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items()),
+    )
+    return summary
+
+
+def _new_summary(cfg: PipelineConfig, params: HeroRunParams, model: str) -> dict[str, Any]:
+    return {
         "profile": cfg.name,
         "run_dir": str(cfg.paths.run_dir),
         "model": model,
@@ -343,94 +294,66 @@ def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[
         "acceptance_length": None,
         "failed": None,
     }
-    current = "generate"
+
+
+def _generate_phase(run: _Run, server: LazyServer, summary: dict[str, Any]) -> None:
+    """Generate (or its latest artifact), then stop the server whatever happened."""
     try:
-        try:
-            if "generate" in selected:
-                calls["generate"], summary["generate_status"] = _generate(
-                    cfg, model, server, forced
-                )
-            else:
-                calls["generate"] = _use_latest(cfg, "generate")
-        finally:
-            summary["server"] = server.info()
-            summary["smoke_chat"] = server.smoke.to_dict() if server.smoke else None
-            server.stop()  # one server at a time: extract (vllm backend) and verify start their own
-
-        def stage(name: str, task: Any, **kwargs: Any) -> StageCall:
-            """One stage on its inputs' folders (the stage reads what it needs from them)."""
-            nonlocal current
-            current = name
-            if name not in selected:
-                return _use_latest(cfg, name)
-            dirs = {i: calls[i].out_dir for i in stages.STAGES[name].inputs}
-            keys = stages.input_keys(name, {i: Path(d) for i, d in dirs.items()})
-            key = stages.stage_key(cfg, name, keys)
-            return _run_stage(name, task, cfg, key, forced, input_dirs=dirs, **kwargs)
-
-        calls["extract"] = stage("extract", extract_task, model_path=model)
-        calls["vocab"] = stage("vocab", vocab_task)
-        calls["train"] = stage("train", train_task, target_dir=model)
-        if "verify" in selected:
-            calls["verify"] = stage("verify", verify_task, model=model)
-            summary["acceptance_length"] = calls["verify"].result.get("acceptance_length")
-    except BaseException as e:
-        summary["failed"] = {"stage": current, "error": f"{type(e).__name__}: {e}"[:2000]}
-        if current == "verify":  # a failed gate still wrote its report: show it
-            report = cfg.paths.artifact_dir(
-                "verify", stages.stage_key(cfg, "verify", {"train": calls["train"].key})
+        if "generate" in run.selected:
+            run.calls["generate"], summary["generate_status"] = _generate(
+                run.cfg, run.model, server, run.forced
             )
-            summary["verify_report"] = (
-                str(report / "report.md") if (report / "report.md").exists() else None
-            )
-        raise
+        else:
+            run.calls["generate"] = _use_latest(run.cfg, "generate")
     finally:
-        for name, call in calls.items():
-            summary["stages"][name] = {
-                **call.to_dict(),
-                "info": {k: v for k, v in call.result.items() if k != "task"},
-            }
-        if summary["failed"]:
-            summary["stages"][summary["failed"]["stage"]] = {
-                "status": "failed",
-                "key": None,
-                "dir": None,
-                "state": "Failed",
-                "task_wall_s": 0,
-                "lib_wall_s": 0,
-                "overhead_s": 0,
-                "info": {},
-            }
-        summary["wall_s"] = round(time.monotonic() - started, 2)
-        try:
-            _report(cfg, summary)
-        except Exception as report_error:  # noqa: BLE001 - never hide the run's own error behind the report's
-            logger.warning("could not write the hero-run report: %s", report_error)
-    logger.info(
-        "hero run done in %.1f s: %s",
-        summary["wall_s"],
-        ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items()),
-    )
-    return summary
+        summary["server"] = server.info()
+        summary["smoke_chat"] = server.smoke.to_dict() if server.smoke else None
+        server.stop()  # one server at a time: extract (vllm backend) and verify start their own
 
 
-def ngram_summary(verify_dir: str | None) -> str | None:
-    """The n-gram baseline next to the draft, from the verify report (a cached verify has it too)."""
+def _later_stages(run: _Run, summary: dict[str, Any]) -> None:
+    run.calls["extract"] = run.stage("extract", extract_task, model_path=run.model)
+    run.calls["vocab"] = run.stage("vocab", vocab_task)
+    run.calls["train"] = run.stage("train", train_task, target_dir=run.model)
+    if "verify" in run.selected:
+        run.calls["verify"] = run.stage("verify", verify_task, model=run.model)
+        summary["acceptance_length"] = run.calls["verify"].result.get("acceptance_length")
+
+
+def _record_failure(run: _Run, summary: dict[str, Any], e: BaseException) -> None:
+    summary["failed"] = {"stage": run.current, "error": f"{type(e).__name__}: {e}"[:2000]}
+    if run.current == "verify":  # a failed gate still wrote its report: show it
+        report = run.cfg.paths.artifact_dir(
+            "verify", stages.stage_key(run.cfg, "verify", {"train": run.calls["train"].key})
+        )
+        summary["verify_report"] = (
+            str(report / "report.md") if (report / "report.md").exists() else None
+        )
+
+
+def _finish_summary(run: _Run, summary: dict[str, Any], started: float) -> None:
+    """Every stage's entry (the failed one included), the wall time, and the report."""
+    for name, call in run.calls.items():
+        summary["stages"][name] = {
+            **call.to_dict(),
+            "info": {k: v for k, v in call.result.items() if k != "task"},
+        }
+    if summary["failed"]:
+        summary["stages"][summary["failed"]["stage"]] = {
+            "status": "failed",
+            "key": None,
+            "dir": None,
+            "state": "Failed",
+            "task_wall_s": 0,
+            "lib_wall_s": 0,
+            "overhead_s": 0,
+            "info": {},
+        }
+    summary["wall_s"] = round(time.monotonic() - started, 2)
     try:
-        report = json.loads((Path(verify_dir) / "report.json").read_text()) if verify_dir else None
-    except (OSError, ValueError):
-        return None
-    ng = (report or {}).get("ngram")
-    if not ng:
-        return None
-    if not ng.get("measured"):
-        return f"not measured ({ng.get('reason')})"
-    r = lambda x: None if x is None else round(x, 4)  # noqa: E731
-    speedup = {c: r(x) for c, x in (ng.get("speedup") or {}).items()}
-    return (
-        f"acceptance length {r(ng.get('acceptance_length_all_steps'))} over all steps "
-        f"({r(ng.get('acceptance_length'))} in vLLM's count over the steps where it proposed), speedup {speedup}"
-    )
+        write_report(run.cfg, summary)
+    except Exception as report_error:  # noqa: BLE001 - never hide the run's own error behind this
+        get_run_logger().warning("could not write the hero-run report: %s", report_error)
 
 
 def dry_run(params: HeroRunParams) -> dict[str, Any]:
@@ -492,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--dry-run",
         action="store_true",
-        help="load and validate the profile, print the stages and the pre-flight checks; run nothing",
+        help="load and validate the profile, print the stages and the pre-flight checks; "
+        "run nothing",
     )
     args = ap.parse_args(argv)
 
@@ -508,37 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.dry_run:
         return dry_run(params)
     summary = hero_run(params)
-    statuses = ", ".join(f"{s} {c['status']}" for s, c in summary["stages"].items())
-    print(f"\nHero run {summary['profile']} finished in {summary['wall_s']} s ({statuses})")
-    if summary["smoke_chat"]:
-        print(
-            f"server ready in {summary['server']['ready_s']} s; Q: What is the capital of France? "
-            f"A: {summary['smoke_chat']['content']}"
-        )
-    info = {s: c["info"] for s, c in summary["stages"].items()}
-    g, e, v, t = (info.get(s, {}) for s in ("generate", "extract", "vocab", "train"))
-    print(
-        f"generate: {g.get('samples')} samples; extract: {e.get('samples')} samples, {e.get('tokens')} tokens; "
-        f"vocab: {v.get('draft_vocab_size')} ids cover {v.get('coverage', 0):.2%}"
-    )
-    top1 = [round(x, 3) for x in (t.get("final_top1") or []) if x is not None]
-    print(
-        f"train: {t.get('steps')} steps, final top-1 per TTT step {top1}; draft for vLLM at "
-        f"{stages.STAGES['train'].file(summary['stages']['train']['dir'], 'draft')}"
-    )
-    if "verify" in info:
-        vf = info["verify"]
-        per_pos = [round(x, 3) for x in (vf.get("acceptance_per_position") or [])]
-        print(
-            f"verify: speedup {vf.get('speedup')}, acceptance per position {per_pos}, "
-            f"gate {'passed' if (vf.get('gate') or {}).get('passed') else 'FAILED'}"
-            f"{', promoted to ' + vf['promoted'] if vf.get('promoted') else ''}"
-        )
-        ngram = ngram_summary(summary["stages"]["verify"].get("dir"))
-        print(
-            f"acceptance length: {summary['acceptance_length']}"
-            + (f" (n-gram baseline: {ngram})" if ngram else "")
-        )
+    print_summary(summary)
     return summary
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
 
@@ -16,18 +17,14 @@ from tasks.caching import ARTIFACT_KEY
 from tasks.retries import TIMEOUT_S
 
 
-# Cached by the artifact key (out_dir's name: train key + verify settings + target + serve settings).
+# Cached by the artifact key (out_dir's name: train key + verify settings + target + serve
+# settings).
 @task(name="verify", retries=0, cache_policy=ARTIFACT_KEY, timeout_seconds=TIMEOUT_S["verify"])
 def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out_dir: str) -> dict:
     """Serve target alone, then target + draft; measure; gate; promote. Returns the report dict
     (keys include ``acceptance_length``, ``speedup``, ``gate`` {passed, reasons}, ``promoted``).
     Raises ``eagle3.verify.GateFailed`` when the gate fails (the report is on disk by then)."""
-    from prefect.artifacts import (
-        create_markdown_artifact,
-        create_progress_artifact,
-        create_table_artifact,
-        update_progress_artifact,
-    )
+    from prefect.artifacts import update_progress_artifact
 
     from eagle3.stages import run_stage
     from eagle3.verify import GateFailed
@@ -35,70 +32,7 @@ def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out
     logger = get_run_logger()
     v = cfg.verify
     windows = (3 if v.ngram_baseline else 2) * len(v.concurrency)  # every server, every concurrency
-    windows_done: dict[tuple[str, int], int] = {}
-    artifact = create_progress_artifact(
-        0.0, key="verify-progress", description="verify: requests done"
-    )
-    last = [0.0]
-
-    def progress(label: str, c: int, done: int, requests: int) -> None:
-        windows_done[(label, c)] = done
-        if time.monotonic() - last[0] > 5:
-            last[0] = time.monotonic()
-            update_progress_artifact(
-                artifact, min(100.0, 100.0 * sum(windows_done.values()) / (windows * requests))
-            )
-
-    def publish(out: Path) -> None:
-        report = json.loads((out / "report.json").read_text())
-        per_pos = report["acceptance"]["acceptance_per_position"]
-        offline = (report.get("offline") or {}).get("acceptance_per_position") or []
-        ng = report.get("ngram") if (report.get("ngram") or {}).get("measured") else {}
-        ng_pos = ng.get("acceptance_per_position") or []
-        ng_all = ng.get("acceptance_per_position_all_steps") or []
-        at = lambda xs, i: round(xs[i], 4) if i < len(xs) else None  # noqa: E731
-        create_table_artifact(
-            key="verify-acceptance",
-            description="Acceptance per draft position (draft vs the n-gram baseline)",
-            table=[
-                {
-                    "position": i,
-                    "vLLM accepted / drafts": round(x, 4),
-                    "offline estimate": at(offline, i),
-                    "n-gram (vLLM, proposing steps)": at(ng_pos, i),
-                    "n-gram (all steps, simulated)": at(ng_all, i),
-                }
-                for i, x in enumerate(per_pos)
-            ],
-        )
-        ng_windows = {w["concurrency"]: w for w in ng.get("windows") or []}
-        create_table_artifact(
-            key="verify-throughput",
-            description="Baseline vs speculative vs n-gram",
-            table=[
-                {
-                    "concurrency": w["concurrency"],
-                    "baseline tok/s": w["baseline"]["output_tokens_per_s"],
-                    "speculative tok/s": w["speculative"]["output_tokens_per_s"],
-                    "speedup": w["speedup"],
-                    "acceptance length": w["speculative"]["acceptance_length"],
-                    "greedy mismatches": (w["outputs"] or {}).get("mismatches"),
-                    "n-gram tok/s": (ng_windows.get(w["concurrency"]) or {})
-                    .get("ngram", {})
-                    .get("output_tokens_per_s"),
-                    "n-gram speedup": (ng_windows.get(w["concurrency"]) or {}).get("speedup"),
-                    "n-gram acceptance length": (ng_windows.get(w["concurrency"]) or {})
-                    .get("ngram", {})
-                    .get("acceptance_length"),
-                }
-                for w in report["windows"]
-            ],
-        )
-        create_markdown_artifact(
-            key="verify-report",
-            markdown=(out / "report.md").read_text() + f"\n\nPlot: `{out / 'report.png'}`\n",
-        )
-
+    progress = _Progress(windows)
     try:
         _, report, _ = run_stage(
             cfg,
@@ -111,10 +45,10 @@ def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out
         )
     except GateFailed:
         if (Path(out_dir) / "report.json").is_file():
-            publish(Path(out_dir))
+            _publish(Path(out_dir))
         raise
-    update_progress_artifact(artifact, 100.0)
-    publish(Path(out_dir))
+    update_progress_artifact(progress.artifact, 100.0)
+    _publish(Path(out_dir))
     ng = report.get("ngram") or {}
     logger.info(
         "verify: acceptance length %s, speedup %s, gate passed, promoted %s; n-gram baseline %s",
@@ -127,3 +61,94 @@ def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out
         else f"not measured ({ng.get('reason')})",
     )
     return report
+
+
+class _Progress:
+    """The ``verify-progress`` artifact: requests done over every server's windows, updated at
+    most every 5 s."""
+
+    def __init__(self, windows: int) -> None:
+        from prefect.artifacts import create_progress_artifact
+
+        self.windows = windows
+        self.done: dict[tuple[str, int], int] = {}
+        self.last = 0.0
+        self.artifact = create_progress_artifact(
+            0.0, key="verify-progress", description="verify: requests done"
+        )
+
+    def __call__(self, label: str, c: int, done: int, requests: int) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        self.done[(label, c)] = done
+        if time.monotonic() - self.last > 5:
+            self.last = time.monotonic()
+            update_progress_artifact(
+                self.artifact,
+                min(100.0, 100.0 * sum(self.done.values()) / (self.windows * requests)),
+            )
+
+
+def _publish(out: Path) -> None:
+    """The report's Prefect artifacts: acceptance per position, throughput, the markdown."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    report = json.loads((out / "report.json").read_text())
+    create_table_artifact(
+        key="verify-acceptance",
+        description="Acceptance per draft position (draft vs the n-gram baseline)",
+        table=_acceptance_rows(report),
+    )
+    create_table_artifact(
+        key="verify-throughput",
+        description="Baseline vs speculative vs n-gram",
+        table=_throughput_rows(report),
+    )
+    create_markdown_artifact(
+        key="verify-report",
+        markdown=(out / "report.md").read_text() + f"\n\nPlot: `{out / 'report.png'}`\n",
+    )
+
+
+def _measured_ngram(report: dict[str, Any]) -> dict[str, Any]:
+    return report.get("ngram") if (report.get("ngram") or {}).get("measured") else {}
+
+
+def _acceptance_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    per_pos = report["acceptance"]["acceptance_per_position"]
+    offline = (report.get("offline") or {}).get("acceptance_per_position") or []
+    ng = _measured_ngram(report)
+    ng_pos = ng.get("acceptance_per_position") or []
+    ng_all = ng.get("acceptance_per_position_all_steps") or []
+    at = lambda xs, i: round(xs[i], 4) if i < len(xs) else None  # noqa: E731
+    return [
+        {
+            "position": i,
+            "vLLM accepted / drafts": round(x, 4),
+            "offline estimate": at(offline, i),
+            "n-gram (vLLM, proposing steps)": at(ng_pos, i),
+            "n-gram (all steps, simulated)": at(ng_all, i),
+        }
+        for i, x in enumerate(per_pos)
+    ]
+
+
+def _throughput_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    ng_windows = {w["concurrency"]: w for w in _measured_ngram(report).get("windows") or []}
+    rows = []
+    for w in report["windows"]:
+        ng_w = ng_windows.get(w["concurrency"]) or {}
+        rows.append(
+            {
+                "concurrency": w["concurrency"],
+                "baseline tok/s": w["baseline"]["output_tokens_per_s"],
+                "speculative tok/s": w["speculative"]["output_tokens_per_s"],
+                "speedup": w["speedup"],
+                "acceptance length": w["speculative"]["acceptance_length"],
+                "greedy mismatches": (w["outputs"] or {}).get("mismatches"),
+                "n-gram tok/s": ng_w.get("ngram", {}).get("output_tokens_per_s"),
+                "n-gram speedup": ng_w.get("speedup"),
+                "n-gram acceptance length": ng_w.get("ngram", {}).get("acceptance_length"),
+            }
+        )
+    return rows
