@@ -7,16 +7,13 @@ import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import (
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_table_artifact
 from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig
 from eagle3.stages import run_stage
 from tasks.caching import ARTIFACT_KEY
+from tasks.progress import ThrottledProgress
 from tasks.retries import TIMEOUT_S, transient_only
 
 
@@ -32,22 +29,18 @@ def extract_task(
     cfg: PipelineConfig, out_dir: str, input_dirs: dict[str, str], model_path: str
 ) -> dict:
     logger = get_run_logger()
-    artifact = create_progress_artifact(
-        0.0, key="extract-progress", description="extract: samples stored"
-    )
-    last = [0.0]
+    bar = ThrottledProgress("extract-progress", "extract: samples stored")
 
     def progress(done: int, total: int) -> None:
-        if total and time.monotonic() - last[0] > 5:
-            last[0] = time.monotonic()
-            update_progress_artifact(artifact, min(100.0, 100.0 * done / total))
+        if total:
+            bar.update(100.0 * done / total)
 
     t0 = time.monotonic()
     _, m, _ = run_stage(
         cfg, "extract", input_dirs, Path(out_dir), model=model_path, on_progress=progress
     )
     lib_wall = time.monotonic() - t0
-    update_progress_artifact(artifact, 100.0)
+    bar.done()
     logger.info(
         "extract: %d samples, %d tokens, %.0f bytes/token",
         m["samples"],

@@ -15,9 +15,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import (
-    create_progress_artifact,
     create_table_artifact,
-    update_progress_artifact,
 )
 from prefect.tasks import exponential_backoff
 
@@ -25,6 +23,7 @@ from eagle3.config import PipelineConfig
 from eagle3.generate.runner import Progress
 from eagle3.stages import run_stage
 from tasks.caching import GENERATE_KEY
+from tasks.progress import ThrottledProgress
 from tasks.retries import TIMEOUT_S, transient_only
 
 
@@ -73,19 +72,10 @@ def generate_task(
     """Request every selected prompt not yet answered (``selection`` only keys the cache)."""
     logger = get_run_logger()
     requested = bool(base_urls)
-    artifact = (
-        create_progress_artifact(0.0, key="generate-progress", description="generate: samples done")
-        if requested
-        else None
-    )
-    last = [0.0]
+    bar = ThrottledProgress("generate-progress", "generate: samples done") if requested else None
 
     def report_progress(p: Progress) -> None:
-        if p.total and time.monotonic() - last[0] > 5:
-            last[0] = time.monotonic()
-            update_progress_artifact(
-                artifact, min(100.0, 100.0 * (p.done + p.failed + p.skipped) / p.total)
-            )
+        if p.total and bar and bar.update(100.0 * (p.done + p.failed + p.skipped) / p.total):
             logger.info(
                 "generate: %d done, %d errors, %.0f tok/s",
                 p.done,
@@ -107,7 +97,7 @@ def generate_task(
     lib_wall = time.monotonic() - t0
     if not requested:
         return _summary(manifest, 0.0, requested=False)
-    update_progress_artifact(artifact, 100.0)
+    bar.done()
     _stats_table(manifest)
     return _summary(manifest, lib_wall, requested=True)
 

@@ -8,17 +8,13 @@ import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig
 from eagle3.stages import STAGES, run_stage
 from tasks.caching import ARTIFACT_KEY
+from tasks.progress import ThrottledProgress
 from tasks.retries import TIMEOUT_S, transient_only
 
 
@@ -34,15 +30,11 @@ def train_task(
     cfg: PipelineConfig, out_dir: str, input_dirs: dict[str, str], target_dir: str
 ) -> dict:
     logger = get_run_logger()
-    artifact = create_progress_artifact(
-        0.0, key="train-progress", description="train: optimizer steps"
-    )
-    last = [0.0]
+    bar = ThrottledProgress("train-progress", "train: optimizer steps", every_s=10.0)
 
     def progress(p: dict) -> None:
-        if time.monotonic() - last[0] > 10 or p["step"] == p["total_steps"]:
-            last[0] = time.monotonic()
-            update_progress_artifact(artifact, 100.0 * p["step"] / max(p["total_steps"], 1))
+        last = p["step"] == p["total_steps"]
+        if bar.update(100.0 * p["step"] / max(p["total_steps"], 1), force=last):
             logger.info("train: step %d/%d loss %s", p["step"], p["total_steps"], p["loss"])
 
     t0 = time.monotonic()

@@ -6,7 +6,6 @@ No retries: a failed gate is a result, not a transient error (the report is writ
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from prefect import get_run_logger, task
 
 from eagle3.config import PipelineConfig
 from tasks.caching import ARTIFACT_KEY
+from tasks.progress import ThrottledProgress
 from tasks.retries import TIMEOUT_S
 
 
@@ -24,8 +24,6 @@ def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out
     """Serve target alone, then target + draft; measure; gate; promote. Returns the report dict
     (keys include ``acceptance_length``, ``speedup``, ``gate`` {passed, reasons}, ``promoted``).
     Raises ``eagle3.verify.GateFailed`` when the gate fails (the report is on disk by then)."""
-    from prefect.artifacts import update_progress_artifact
-
     from eagle3.stages import run_stage
     from eagle3.verify import GateFailed
 
@@ -47,7 +45,7 @@ def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out
         if (Path(out_dir) / "report.json").is_file():
             _publish(Path(out_dir))
         raise
-    update_progress_artifact(progress.artifact, 100.0)
+    progress.bar.done()
     _publish(Path(out_dir))
     ng = report.get("ngram") or {}
     logger.info(
@@ -64,29 +62,16 @@ def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out
 
 
 class _Progress:
-    """The ``verify-progress`` artifact: requests done over every server's windows, updated at
-    most every 5 s."""
+    """The ``verify-progress`` artifact: requests done over every server's windows."""
 
     def __init__(self, windows: int) -> None:
-        from prefect.artifacts import create_progress_artifact
-
         self.windows = windows
         self.done: dict[tuple[str, int], int] = {}
-        self.last = 0.0
-        self.artifact = create_progress_artifact(
-            0.0, key="verify-progress", description="verify: requests done"
-        )
+        self.bar = ThrottledProgress("verify-progress", "verify: requests done")
 
     def __call__(self, label: str, c: int, done: int, requests: int) -> None:
-        from prefect.artifacts import update_progress_artifact
-
         self.done[(label, c)] = done
-        if time.monotonic() - self.last > 5:
-            self.last = time.monotonic()
-            update_progress_artifact(
-                self.artifact,
-                min(100.0, 100.0 * sum(self.done.values()) / (self.windows * requests)),
-            )
+        self.bar.update(100.0 * sum(self.done.values()) / (self.windows * requests))
 
 
 def _publish(out: Path) -> None:
