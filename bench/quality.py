@@ -565,6 +565,7 @@ def cmd_plot(a) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("plot", True)]  # "plot": false: rows kept for tables only
     evals = sorted(
         {
             k
@@ -594,7 +595,13 @@ def cmd_plot(a) -> None:
                 label=f"n-gram, simulated [{ev}]",
             )
     if a.demo:
-        ax.plot([40], [a.demo], "r*", ms=12, label="make demo's draft (vLLM, MT-bench 10 x 2)")
+        ax.plot(
+            [40],
+            [a.demo],
+            "r*",
+            ms=12,
+            label="make demo's draft (vLLM CPU, the demo's MT-bench workload)",
+        )
     ax.set(
         xscale="log",
         xlabel="training samples (ShareGPT first turns; answers: the target's own, then ShareGPT's)",
