@@ -2,15 +2,16 @@
 
 Plain PyTorch, weight-for-weight compatible with vLLM's ``Eagle3DeepseekV2ForCausalLM``
 (``vllm/model_executor/models/deepseek_eagle3.py``, which builds ``DeepseekV2MLAAttention`` with
-``input_size = 2 * hidden_size`` and a ``DeepseekV2MLP``; checked against vLLM 0.32.0). This is the
-draft vLLM's Kimi-K2.5 recipe serves; on vLLM CPU it is also the only EAGLE-3 draft an MLA target
-accepts (docs/train.md, "Draft architectures"). Checkpoint names (:func:`mla_weight_shapes`)::
+``input_size = 2 * hidden_size`` and a ``DeepseekV2MLP``; checked against vLLM 0.32.0). This is
+the draft vLLM's Kimi-K2.5 recipe serves; on vLLM CPU it is also the only EAGLE-3 draft an MLA
+target accepts (docs/train.md, "Draft architectures"). Checkpoint names
+(:func:`mla_weight_shapes`)::
 
-    embed_tokens.weight                          [V, H]       frozen, copied from the target (not exported)
+    embed_tokens.weight                          [V, H]       frozen, from the target, not exported
     fc.weight                                    [H, A*Ht]
     midlayer.input_layernorm.weight              [H]          applied to the token embeddings
-    midlayer.hidden_norm.weight                  [H]          applied to the (projected) hidden states
-    midlayer.self_attn.q_a_proj.weight           [Rq, 2H]     (q_lora_rank Rq; without it: q_proj [n*(dn+dr), 2H])
+    midlayer.hidden_norm.weight                  [H]          applied to the projected hidden states
+    midlayer.self_attn.q_a_proj.weight           [Rq, 2H]     (q_lora_rank Rq)
     midlayer.self_attn.q_a_layernorm.weight      [Rq]
     midlayer.self_attn.q_b_proj.weight           [n*(dn+dr), Rq]
     midlayer.self_attn.kv_a_proj_with_mqa.weight [Rkv+dr, 2H]
@@ -23,7 +24,8 @@ accepts (docs/train.md, "Draft architectures"). Checkpoint names (:func:`mla_wei
     norm.weight                                  [H]
     lm_head.weight                               [D, H]
 
-(n heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, Rkv = kv_lora_rank.)
+(n heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, Rkv = kv_lora_rank;
+without a q_lora_rank one q_proj [n*(dn+dr), 2H] replaces q_a_proj, q_a_layernorm, q_b_proj.)
 
 The layer is vLLM's ``DeepseekV2Eagle3DecoderLayer`` with ``layer_idx == 0``, step for step; the
 residual handling, the embeds-first concatenation and the final norm are the shared ones
@@ -31,21 +33,15 @@ residual handling, the embeds-first concatenation and the final norm are the sha
 ``MultiHeadLatentAttentionWrapper`` (``vllm/model_executor/layers/mla.py``) written out
 unabsorbed (the same maths as its prefill path and as transformers' ``DeepseekV3Attention``)::
 
-    q          = q_b_proj(q_a_layernorm(q_a_proj(x)))          -> [T, n, dn + dr]   (x is 2H wide)
-    kv_c, k_pe = split(kv_a_proj_with_mqa(x), [Rkv, dr])       (k_pe: ONE head shared by all heads)
+    q          = q_b_proj(q_a_layernorm(q_a_proj(x)))      -> [T, n, dn + dr]   (x is 2H wide)
+    kv_c, k_pe = split(kv_a_proj_with_mqa(x), [Rkv, dr])   (k_pe: ONE head shared by all heads)
     k_nope, v  = split(kv_b_proj(kv_a_layernorm(kv_c)) -> [T, n, dn + dv], [dn, dv])
-    q_pe, k_pe = RoPE(q[..., dn:]), RoPE(k_pe)                 interleaved pairs (is_neox_style=False)
+    q_pe, k_pe = RoPE(q[..., dn:]), RoPE(k_pe)             interleaved pairs (is_neox_style=False)
     k          = cat(k_nope, k_pe broadcast over heads)
     attn       = softmax(q k^T * scale) v,  scale = (dn + dr)^-0.5 * m^2
     out        = o_proj(attn)
 
-RoPE: vLLM rewrites any non-default rope type of an MLA layer to ``deepseek_yarn``
-(``DeepseekScalingRotaryEmbedding``): YaRN inverse frequencies over the dr rotary dims,
-cos/sin scaled by ``mscale(f, mscale) / mscale(f, mscale_all_dim)``, and the softmax scale
-multiplied by ``m^2 = mscale(f, mscale_all_dim)^2`` (``mscale(f, a) = 0.1 a ln f + 1``; for
-Kimi-K2.5, f = 64 and mscale_all_dim = 1, m^2 = 2.005). A scaling dict with
-``attention_factor == 1.0`` is vLLM's ``deepseek_llama_scaling``: the same frequencies but no
-softmax factor. Only "default" and YaRN-style scaling are accepted here.
+RoPE (DeepSeek YaRN, interleaved pairs): :mod:`eagle3.draft.deepseek_rope`.
 
 Forward interface, attention masks and KV prefixes are the shared draft's, so the trainer's TTT
 unroll runs unchanged. The KV prefix holds the expanded per-head keys and values:
@@ -54,7 +50,6 @@ unroll runs unchanged. The KV prefix holds the expanded per-head keys and values
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -75,6 +70,7 @@ from eagle3.draft.common import (
     rope_from_config,
     text_config,
 )
+from eagle3.draft.deepseek_rope import InterleavedRotary, mla_rope, yarn_get_mscale
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -165,8 +161,9 @@ class MLADraftConfig(ConfigMethods):
         missing = [k for k in MLA_FIELDS if text.get(k) is None and k not in overrides]
         if missing:
             raise ValueError(
-                f"the target config has no MLA fields {missing} (not a DeepSeek/Kimi-style model?): "
-                "use the Llama draft (train.draft_arch: llama) or give them as overrides"
+                f"the target config has no MLA fields {missing} "
+                "(not a DeepSeek/Kimi-style model?): use the Llama draft "
+                "(train.draft_arch: llama) or give them as overrides"
             )
         hidden = int(text["hidden_size"])
         rope_theta, rope_scaling = rope_from_config(text)
@@ -199,67 +196,9 @@ class MLADraftConfig(ConfigMethods):
 
 
 # ---------------------------------------------------------------------------------------------
-# RoPE (DeepSeek flavour: interleaved pairs, YaRN with mscale)
+# RoPE (DeepSeek flavour: interleaved pairs; frequencies and YaRN in eagle3.draft.deepseek_rope).
+# The rotation stays here: tests/test_mla_draft.py swaps _rotate_gptj for a negative control.
 # ---------------------------------------------------------------------------------------------
-
-
-def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def mla_rope(cfg: MLADraftConfig) -> tuple[torch.Tensor, float, float]:
-    """(inverse frequencies [dr/2], cos/sin magnitude, softmax scale) as vLLM's MLA layer builds
-    them (DeepseekV2MLAAttention + DeepseekScalingRotaryEmbedding)."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    scale = cfg.qk_head_dim**-0.5
-    if cfg.rope_type == "default":
-        return 1.0 / pos_freqs, 1.0, scale
-    s = cfg.rope_scaling or {}
-    factor = float(s["factor"])
-    orig = float(s["original_max_position_embeddings"])
-    beta_fast, beta_slow = float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1))
-
-    def corr(rot: float) -> float:
-        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    mscale_all_dim = float(s.get("mscale_all_dim") or 0.0)
-    magnitude = yarn_get_mscale(factor, float(s.get("mscale", 1.0))) / yarn_get_mscale(
-        factor, mscale_all_dim
-    )
-    if (
-        s.get("attention_factor") != 1.0
-    ):  # vLLM: deepseek_yarn; attention_factor == 1.0: deepseek_llama_scaling
-        m = yarn_get_mscale(factor, mscale_all_dim)
-        scale = scale * m * m
-    return inv, magnitude, scale
-
-
-class InterleavedRotary(nn.Module):
-    """GPT-J style (interleaved pairs) RoPE, vLLM's ``is_neox_style=False``."""
-
-    def __init__(self, cfg: MLADraftConfig) -> None:
-        super().__init__()
-        inv, magnitude, scale = mla_rope(cfg)
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self.magnitude = magnitude
-        self.softmax_scale = scale
-
-    def forward(
-        self, position_ids: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [B, 1, T, dr] (each frequency repeated for its pair) for position_ids [B, T]."""
-        freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
-        emb = freqs.repeat_interleave(2, dim=-1)
-        cos = (emb.cos() * self.magnitude).to(dtype)[:, None]
-        sin = (emb.sin() * self.magnitude).to(dtype)[:, None]
-        return cos, sin
 
 
 def _rotate_gptj(x: torch.Tensor) -> torch.Tensor:
@@ -337,9 +276,9 @@ class MLAAttention(nn.Module):
 
 
 class Eagle3MLADraft(DraftModel):
-    """vLLM's ``Eagle3DeepseekV2ForCausalLM``: the shared draft (:class:`eagle3.draft.common.DraftModel`:
-    forward, project, load_embeddings, trainable_state_dict, config) around MLA attention and
-    interleaved RoPE."""
+    """vLLM's ``Eagle3DeepseekV2ForCausalLM``: the shared draft
+    (:class:`eagle3.draft.common.DraftModel`: forward, project, load_embeddings,
+    trainable_state_dict, config) around MLA attention and interleaved RoPE."""
 
     attention_cls = MLAAttention
     rotary_cls = InterleavedRotary
@@ -428,7 +367,8 @@ def mla_fields(cfg: MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict
         "rope_parameters": rope_parameters,
         "max_position_embeddings": cfg.max_position_embeddings,
         "num_hidden_layers": 1,
-        "first_k_dense_replace": 1,  # informational: the draft layer is dense (vLLM always builds an MLP)
+        # informational: the draft layer is dense (vLLM always builds an MLP)
+        "first_k_dense_replace": 1,
         "vocab_size": cfg.vocab_size,
         "attention_bias": False,
         "tie_word_embeddings": False,
@@ -443,6 +383,7 @@ def mla_fields(cfg: MLADraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict
 
 __all__ = [
     "Eagle3MLADraft",
+    "InterleavedRotary",
     "MLADraftConfig",
     "MLAAttention",
     "apply_rope_interleaved",
@@ -451,4 +392,5 @@ __all__ = [
     "mla_fields",
     "mla_rope",
     "mla_weight_shapes",
+    "yarn_get_mscale",
 ]

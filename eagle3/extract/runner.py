@@ -30,7 +30,8 @@ from eagle3.extract.storage import Sample, ShardWriter
 from eagle3.generate.storage import JsonlAppender, SampleScan, repair_jsonl, scan_samples
 
 CONVENTION = (
-    "vLLM: aux layer k is the INPUT of decoder layer k (= HF output_hidden_states[k], 0 = embeddings); "
+    "vLLM: aux layer k is the INPUT of decoder layer k "
+    "(= HF output_hidden_states[k], 0 = embeddings); "
     "final is the OUTPUT of the last decoder layer before the final norm"
 )
 
@@ -54,9 +55,10 @@ def check_fingerprint(
     theirs = generate_manifest.get("tokenizer_fingerprint")
     if theirs and theirs != mine:
         raise TokenizerMismatch(
-            f"tokenizer fingerprint {mine} of {cfg.target.tokenizer or model_path} differs from {theirs}, the one the "
-            "generate stage's server used: the token ids would mean different things. Point target.tokenizer "
-            "(or the model) at the served model's tokenizer, or regenerate."
+            f"tokenizer fingerprint {mine} of {cfg.target.tokenizer or model_path} differs from "
+            f"{theirs}, the one the generate stage's server used: the token ids would mean "
+            "different things. Point target.tokenizer (or the model) at the served model's "
+            "tokenizer, or regenerate."
         )
     return mine
 
@@ -121,15 +123,17 @@ def check_input(generate_dir: Path, gen_manifest: dict[str, Any]) -> SampleScan:
     """Compare the generate folder with its manifest before any model is loaded.
 
     Returns the scan: the sample ids, and the unreadable lines (recorded by the caller: they
-    explain missing samples). Raises MissingSamples when fewer samples are there than the manifest lists and no unreadable line
-    accounts for them (a shard deleted or cut short by hand, a copy that did not finish)."""
+    explain missing samples). Raises MissingSamples when fewer samples are there than the manifest
+    lists and no unreadable line accounts for them (a shard deleted or cut short by hand, a copy
+    that did not finish)."""
     scan = scan_samples(generate_dir)
     listed = int((gen_manifest.get("totals") or {}).get("samples", 0))
     if len(scan.ids) + len(scan.bad) < listed:
         raise MissingSamples(
-            f"{generate_dir}: manifest.json lists {listed} samples, the shards hold {len(scan.ids)} "
-            f"({len(scan.bad)} unreadable lines): a shard is missing or was cut. Restore it, or rerun generate "
-            "into that folder (it requests only what is missing), then rerun extract"
+            f"{generate_dir}: manifest.json lists {listed} samples, the shards hold "
+            f"{len(scan.ids)} ({len(scan.bad)} unreadable lines): a shard is missing or was cut. "
+            "Restore it, or rerun generate into that folder (it requests only what is missing), "
+            "then rerun extract"
         )
     return scan
 
@@ -260,6 +264,156 @@ def _manifest(
     }
 
 
+class _Run:
+    """One extract run into ``out_dir``: the shard writer, the error log, the counts, the reuse
+    source and the progress callback, and the steps that fill them."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        generate_dir: Path,
+        out_dir: Path,
+        model_path: str,
+        gen_manifest: dict[str, Any],
+        scan: SampleScan,
+        on_progress: Callable[[int, int], None] | None,
+        reuse_from: Path | None,
+    ):
+        e = self.e = cfg.extract
+        self.cfg, self.model_path, self.scan, self.on_progress = cfg, model_path, scan, on_progress
+        self.generate_dir, self.out_dir = generate_dir, out_dir
+        unreadable = scan.bad
+        self.writer = ShardWriter(out_dir, e.storage_dtype, e.samples_per_shard)
+        self.resumed_from = len(self.writer.done_ids)
+        self.errors = ErrorLog(out_dir / "errors.jsonl")
+        self.counts = {
+            "stored": 0,
+            "reused": 0,
+            "skipped": 0,
+            "truncated": 0,
+            "nonfinite": 0,
+            "unreadable": len(unreadable),
+        }
+        self.reuse = Reuse(cfg, reuse_from)
+        self.computed_tokens = 0
+        self.total = gen_manifest["totals"]["samples"]
+        self.started = time.time()
+        for where, reason in unreadable:
+            self.errors.record(None, f"{where}: {reason}", where)
+        self.answer_stats: Counter = Counter()
+        self.total += e.dataset_answers
+
+    def _progress(self) -> None:
+        if self.on_progress:
+            self.on_progress(
+                self.resumed_from + self.counts["stored"] + self.counts["reused"], self.total
+            )
+
+    def _note_truncated(self, ex: Example) -> None:
+        if ex.truncated_from:
+            self.errors.record(
+                ex.id, f"truncated from {ex.truncated_from} to {len(ex.input_ids)} tokens"
+            )
+            self.counts["truncated"] += 1
+
+    def examples(self) -> Iterator[Example]:
+        """The examples still to compute; skipped ones are recorded, reusable ones copied."""
+        e, writer = self.e, self.writer
+        items = iter_examples(
+            self.generate_dir,
+            e.max_seq_len,
+            e.truncation,
+            skip=writer.done_ids,
+            vocab_size=self.cfg.target.vocab_size,
+            on_bad=lambda *_: None,
+        )
+        if e.dataset_answers:
+            items = itertools.chain(
+                items,
+                _answer_examples(
+                    self.cfg, self.model_path, self.scan.ids, writer.done_ids, self.answer_stats
+                ),
+            )
+        for item in items:
+            if isinstance(item, tuple):
+                self.errors.record(*item)
+                self.counts["skipped"] += 1
+                continue
+            old = self.reuse.get(item)
+            if old is None:
+                yield item
+                continue
+            self._note_truncated(item)
+            writer.add(old)
+            self.counts["reused"] += 1
+            self._progress()
+
+    def store(self, ex: Example, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """Keep one computed sample, unless its states are not finite."""
+        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+            self.errors.record(ex.id, "non-finite hidden states (NaN/inf)")
+            self.counts["nonfinite"] += 1
+            return
+        self._note_truncated(ex)
+        self.writer.add(
+            Sample(
+                ex.id,
+                torch.tensor(ex.input_ids),
+                torch.tensor(ex.loss_mask, dtype=torch.bool),
+                aux,
+                final,
+            )
+        )  # a full shard is written as soon as it fills: the resume unit
+        self.counts["stored"] += 1
+        self.computed_tokens += len(ex.input_ids)
+        self._progress()
+
+    def compute(self) -> None:
+        """Every remaining sample through the backend into the shards; on any failure the complete
+        samples are kept (a rerun resumes after them) and a full disk says how much more is
+        needed."""
+        writer = self.writer
+        try:
+            for ex, aux, final in _states(self.cfg, self.model_path, self.out_dir, self.examples()):
+                self.store(ex, aux, final)
+            writer.close()
+        except BaseException as err:
+            try:
+                writer.close()  # keep the complete samples already computed
+            except Exception:
+                pass
+            if is_disk_full(err):
+                per_sample = writer.bytes_written / max(len(writer.index) - self.resumed_from, 1)
+                raise disk_full(
+                    self.out_dir,
+                    per_sample * max(self.total - len(writer.index), 1)
+                    if writer.bytes_written
+                    else None,
+                    "the remaining hidden states",
+                ) from err
+            raise
+        finally:
+            self.errors.close()
+
+    def this_run(self) -> dict[str, Any]:
+        """The manifest's ``this_run``: what this run resumed, stored, reused and skipped."""
+        return {
+            "resumed_from": self.resumed_from,
+            **self.counts,
+            "wall_s": round(time.time() - self.started, 2),
+            **(
+                {"dataset_answers": {"rows_not_taken": dict(self.answer_stats)}}
+                if self.e.dataset_answers
+                else {}
+            ),
+            "reuse": {
+                "from": str(self.reuse.folder) if self.reuse.folder else None,
+                "why_not": self.reuse.reason,
+            },
+            "tokens_per_s": round(self.computed_tokens / max(time.time() - self.started, 1e-9), 1),
+        }
+
+
 def extract(
     cfg: PipelineConfig,
     generate_dir: Path,
@@ -269,131 +423,20 @@ def extract(
     reuse_from: Path | None = None,
 ) -> dict[str, Any]:
     """Run the stage into ``out_dir`` (resuming what is there); see the module docstring."""
-    e = cfg.extract
     generate_dir, out_dir = Path(generate_dir), Path(out_dir)
     gen_manifest = json.loads((generate_dir / "manifest.json").read_text())
     fingerprint = check_fingerprint(gen_manifest, model_path, cfg)
     scan = check_input(generate_dir, gen_manifest)
-    unreadable = scan.bad
-    writer = ShardWriter(out_dir, e.storage_dtype, e.samples_per_shard)
-    resumed_from = len(writer.done_ids)
-    errors = ErrorLog(out_dir / "errors.jsonl")
-    record_error = errors.record
-    counts = {
-        "stored": 0,
-        "reused": 0,
-        "skipped": 0,
-        "truncated": 0,
-        "nonfinite": 0,
-        "unreadable": len(unreadable),
-    }
-    reuse = Reuse(cfg, reuse_from)
-    computed_tokens = 0
-    total = gen_manifest["totals"]["samples"]
-    started = time.time()
-
-    for where, reason in unreadable:
-        record_error(None, f"{where}: {reason}", where)
-
-    answer_stats: Counter = Counter()
-    total += e.dataset_answers
-
-    def examples() -> Iterator[Example]:
-        items = iter_examples(
-            generate_dir,
-            e.max_seq_len,
-            e.truncation,
-            skip=writer.done_ids,
-            vocab_size=cfg.target.vocab_size,
-            on_bad=lambda *_: None,
-        )
-        if e.dataset_answers:
-            items = itertools.chain(
-                items, _answer_examples(cfg, model_path, scan.ids, writer.done_ids, answer_stats)
-            )
-        for item in items:
-            if isinstance(item, tuple):
-                record_error(*item)
-                counts["skipped"] += 1
-                continue
-            old = reuse.get(item)
-            if old is None:
-                yield item
-                continue
-            if item.truncated_from:
-                record_error(
-                    item.id, f"truncated from {item.truncated_from} to {len(item.input_ids)} tokens"
-                )
-                counts["truncated"] += 1
-            writer.add(old)
-            counts["reused"] += 1
-            if on_progress:
-                on_progress(resumed_from + counts["stored"] + counts["reused"], total)
-
-    try:
-        for ex, aux, final in _states(cfg, model_path, out_dir, examples()):
-            if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-                record_error(ex.id, "non-finite hidden states (NaN/inf)")
-                counts["nonfinite"] += 1
-                continue
-            if ex.truncated_from:
-                record_error(
-                    ex.id, f"truncated from {ex.truncated_from} to {len(ex.input_ids)} tokens"
-                )
-                counts["truncated"] += 1
-            writer.add(
-                Sample(
-                    ex.id,
-                    torch.tensor(ex.input_ids),
-                    torch.tensor(ex.loss_mask, dtype=torch.bool),
-                    aux,
-                    final,
-                )
-            )  # a full shard is written as soon as it fills: the resume unit
-            counts["stored"] += 1
-            computed_tokens += len(ex.input_ids)
-            if on_progress:
-                on_progress(resumed_from + counts["stored"] + counts["reused"], total)
-        writer.close()
-    except BaseException as err:
-        try:
-            writer.close()  # keep the complete samples already computed: a rerun resumes after them
-        except Exception:
-            pass
-        if is_disk_full(err):
-            per_sample = writer.bytes_written / max(len(writer.index) - resumed_from, 1)
-            raise disk_full(
-                out_dir,
-                per_sample * max(total - len(writer.index), 1) if writer.bytes_written else None,
-                "the remaining hidden states",
-            ) from err
-        raise
-    finally:
-        errors.close()
-    if not writer.index:
+    run = _Run(cfg, generate_dir, out_dir, model_path, gen_manifest, scan, on_progress, reuse_from)
+    run.compute()
+    if not run.writer.index:
         raise NoResult(
-            f"extract stored 0 samples from {generate_dir} into {out_dir}: every sample was skipped; the "
-            f"reasons are in {out_dir / 'errors.jsonl'}. Fix the generate output, then rerun extract"
+            f"extract stored 0 samples from {generate_dir} into {out_dir}: every sample was "
+            f"skipped; the reasons are in {out_dir / 'errors.jsonl'}. Fix the generate output, "
+            "then rerun extract"
         )
     manifest = _manifest(
-        cfg,
-        generate_dir,
-        model_path,
-        fingerprint,
-        writer,
-        out_dir,
-        {
-            "resumed_from": resumed_from,
-            **counts,
-            "wall_s": round(time.time() - started, 2),
-            **(
-                {"dataset_answers": {"rows_not_taken": dict(answer_stats)}}
-                if e.dataset_answers
-                else {}
-            ),
-            "reuse": {"from": str(reuse.folder) if reuse.folder else None, "why_not": reuse.reason},
-            "tokens_per_s": round(computed_tokens / max(time.time() - started, 1e-9), 1),
-        },
+        cfg, generate_dir, model_path, fingerprint, run.writer, out_dir, run.this_run()
     )
     write_json_atomic(out_dir / "manifest.json", manifest)
     return manifest

@@ -24,7 +24,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,6 @@ import httpx
 from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
 from eagle3.errors import ServerUnavailable, disk_full, is_disk_full
-from eagle3.fingerprint import server_fingerprint
 from eagle3.generate.checks import TokenCheck, check_endpoints
 from eagle3.generate.client import (
     BadResponse,
@@ -44,9 +43,10 @@ from eagle3.generate.client import (
     chat_request,
     make_pool,
 )
+from eagle3.generate.manifest import run_manifest
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
-from eagle3.generate.storage import ShardStore, iter_samples, latest_errors
-from eagle3.serving.client import reasoning_of
+from eagle3.generate.records import build_record
+from eagle3.generate.storage import ShardStore
 from eagle3.serving.readiness import auth_headers, root_url
 
 log = logging.getLogger(__name__)
@@ -77,56 +77,6 @@ class Progress:
         return max(self.total - self.done - self.failed - self.skipped, 0) / rate
 
 
-def build_record(
-    prompt: Prompt,
-    resp: dict[str, Any],
-    endpoint: str,
-    attempts: int,
-    latency: float,
-    expects_reasoning: bool,
-    rebuild: Callable[..., tuple[list[int], list[int]]] | None,
-) -> dict[str, Any]:
-    choice = resp["choices"][0]
-    msg = choice.get("message") or {}
-    reasoning = reasoning_of(msg)
-    content = msg.get("content")
-    prompt_ids = resp.get("prompt_token_ids")
-    completion_ids = choice.get("token_ids")
-    source = "server"
-    if not prompt_ids or completion_ids is None:
-        if rebuild is None:
-            raise RuntimeError(
-                "server returned no token ids and no tokenizer is configured to rebuild them"
-            )
-        prompt_ids, completion_ids = rebuild(
-            prompt.messages, reasoning, content, choice.get("finish_reason")
-        )
-        source = "rebuilt"
-    flags = []
-    if expects_reasoning and not reasoning:
-        flags.append("no_reasoning")
-    if choice.get("finish_reason") == "length":
-        flags.append("truncated")
-    return {
-        "id": prompt.id,
-        "source": prompt.source_index,
-        "messages": prompt.messages,
-        "reasoning": reasoning,
-        "content": content,
-        "finish_reason": choice.get("finish_reason"),
-        "truncated": choice.get("finish_reason") == "length",
-        "prompt_token_ids": list(prompt_ids),
-        "completion_token_ids": list(completion_ids),
-        "token_ids_source": source,
-        "usage": resp.get("usage"),
-        "latency_s": round(latency, 4),
-        "attempts": attempts,
-        "endpoint": endpoint,
-        "model": resp.get("model"),
-        "flags": flags,
-    }
-
-
 async def _tokenize_count(
     base_url: str,
     model: str,
@@ -134,7 +84,8 @@ async def _tokenize_count(
     kwargs: dict[str, Any],
     api_key: str | None,
 ) -> tuple[int, int] | None:
-    """(prompt tokens, max model len) from vLLM's /tokenize, or None if the server has no such endpoint."""
+    """(prompt tokens, max model len) from vLLM's /tokenize, or None if the server has no such
+    endpoint."""
     try:
         async with httpx.AsyncClient(
             timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -252,8 +203,10 @@ class _Run:
             except Exhausted as e:
                 if not await _endpoints_alive(self.pool, self.cfg.serve.api_key):
                     raise ServerUnavailable(
-                        f"no endpoint answers /health any more ({', '.join(p.base_url for p in self.pool.endpoints)}); "
-                        f"last error: {e}. {self.progress.done} samples were saved this run; rerun to resume."
+                        "no endpoint answers /health any more "
+                        f"({', '.join(p.base_url for p in self.pool.endpoints)}); "
+                        f"last error: {e}. {self.progress.done} samples were saved this run; "
+                        "rerun to resume."
                     ) from None
                 return self.error("failed", str(e), prompt)
             except BadResponse as e:
@@ -363,27 +316,6 @@ def make_rebuilder(cfg: PipelineConfig, tok: Any | None):
     return rebuild
 
 
-def folder_totals(out_dir: Path) -> dict[str, Any]:
-    n = prompt_tokens = completion_tokens = 0
-    flags: Counter[str] = Counter()
-    done: set[str] = set()
-    for r in iter_samples(out_dir):
-        done.add(r["id"])
-        n += 1
-        prompt_tokens += len(r["prompt_token_ids"])
-        completion_tokens += len(r["completion_token_ids"])
-        flags.update(r.get("flags", []))
-    # a failure that a later run filled in is history, not a current error
-    errors = {k: e for k, e in latest_errors(out_dir).items() if e.get("id") not in done}
-    return {
-        "samples": n,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "flags": dict(flags),
-        "errors_by_kind": dict(Counter(e["kind"] for e in errors.values())),
-    }
-
-
 def generate(
     cfg: PipelineConfig,
     base_urls: list[str],
@@ -441,7 +373,7 @@ def generate(
         store.close()
         if finalize:
             store.finalize()
-        manifest = _manifest(
+        manifest = run_manifest(
             cfg, base_urls, window, stats, runner, resumed_from, time.time() - started, out_dir
         )
         write_json_atomic(out_dir / "manifest.json", manifest)
@@ -457,48 +389,9 @@ def generate(
     return manifest
 
 
-def _manifest(
-    cfg: PipelineConfig,
-    base_urls: list[str],
-    window: int,
-    stats: PromptStats,
-    runner: _Run,
-    resumed_from: int,
-    wall: float,
-    out_dir: Path,
-) -> dict[str, Any]:
-    g, store, progress = cfg.generate, runner.store, runner.progress
-    return {
-        "stage": "generate",
-        "target": cfg.target.model,
-        "served_model_name": cfg.target.served_model_name,
-        "config": g.model_dump(mode="json"),
-        "dataset": {"name": g.dataset, "split": g.split, "fingerprint": stats.fingerprint},
-        "endpoints": base_urls,
-        "tokenizer_fingerprint": server_fingerprint(
-            base_urls[0], cfg.target.served_model_name, g.chat_template_kwargs, cfg.serve.api_key
-        ),
-        "concurrency": window,
-        "this_run": {
-            "resumed_from": resumed_from,
-            "counts": dict(runner.counts),
-            "prompt_rows": asdict(stats),
-            "torn_bytes_dropped": store.torn_bytes,
-            "unreadable_lines": [f"{w}: {r}" for w, r in store.bad_lines],
-            "token_ids_checked": runner.token_check.checked,
-            "wall_s": round(wall, 2),
-            "completion_tokens": progress.completion_tokens,
-            "prompt_tokens": runner.prompt_tokens,
-            "completion_tokens_per_s": round(progress.completion_tokens / max(wall, 1e-9), 1),
-            "requests_per_s": round(progress.done / max(wall, 1e-9), 2),
-        },
-        "totals": folder_totals(out_dir),
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
 def _close_quietly(store: ShardStore) -> None:
-    """Flush what is stored after a failure; a second failure (the same full disk) must not hide the first."""
+    """Flush what is stored after a failure; a second failure (the same full disk) must not hide
+    the first."""
     try:
         store.close()
     except OSError as e:
