@@ -67,7 +67,8 @@ class Server:
         }
 
     def openai_client(self, timeout_s: float = 1800, max_retries: int = 0):
-        """Async OpenAI client with an explicit timeout (the library's 600 s default kills long reasoning)."""
+        """Async OpenAI client with an explicit timeout (the library's 600 s default kills long
+        reasoning)."""
         import httpx
         from openai import AsyncOpenAI
 
@@ -97,8 +98,8 @@ def check_model_path(model: str) -> None:
 def check_executable(path: str) -> None:
     if os.sep in path and not os.access(path, os.X_OK):
         raise ServerError(
-            f"vLLM interpreter {path} not found or not executable: create the serving environment with "
-            "`make vllm-env` (deploy/setup_vllm_env.sh)"
+            f"vLLM interpreter {path} not found or not executable: create the serving "
+            "environment with `make vllm-env` (deploy/setup_vllm_env.sh)"
         )
 
 
@@ -111,50 +112,65 @@ def start_server(
     ready_timeout_s: float | None = None,
 ) -> Server:
     """Start the target's server with the configured backend and block until it is ready."""
-    s = cfg.serve
-    timeout = ready_timeout_s or s.ready_timeout_s
-    name = cfg.target.served_model_name
+    timeout = ready_timeout_s or cfg.serve.ready_timeout_s
+    if cfg.serve.backend == "external":
+        return _attach_external(cfg, timeout)
+    if cfg.serve.backend == "systemd":
+        return _start_systemd(cfg, timeout)
+    return _start_process(cfg, model, log_dir, speculative_config, timeout)
 
-    if s.backend == "external":
-        base_url = root_url(s.base_url)
+
+def _attach_external(cfg: PipelineConfig, timeout: float) -> Server:
+    """A server started elsewhere: only wait until it serves; never stopped from here."""
+    s = cfg.serve
+    name = cfg.target.served_model_name
+    base_url = root_url(s.base_url)
+    ready = wait_until_ready(
+        base_url,
+        name,
+        timeout_s=timeout,
+        poll_interval_s=s.poll_interval_s,
+        check_alive=lambda: None,
+        api_key=s.api_key,
+    )
+    return Server(base_url, name, "external", started_here=False, ready_s=ready, api_key=s.api_key)
+
+
+def _start_systemd(cfg: PipelineConfig, timeout: float) -> Server:
+    """Start the systemd unit (stopped again if it never gets ready)."""
+    s = cfg.serve
+    name = cfg.target.served_model_name
+    unit = SystemdUnit(s.unit)
+    base_url = f"http://{s.host}:{s.port}"
+    unit.start()
+    try:
         ready = wait_until_ready(
             base_url,
             name,
             timeout_s=timeout,
             poll_interval_s=s.poll_interval_s,
-            check_alive=lambda: None,
+            check_alive=unit.check_alive,
             api_key=s.api_key,
         )
-        return Server(
-            base_url, name, "external", started_here=False, ready_s=ready, api_key=s.api_key
-        )
+    except BaseException:
+        unit.stop()
+        raise
+    return Server(
+        base_url,
+        name,
+        "systemd",
+        started_here=unit.started_here,
+        ready_s=ready,
+        api_key=s.api_key,
+        _stop=unit.stop,
+    )
 
-    if s.backend == "systemd":
-        unit = SystemdUnit(s.unit)
-        base_url = f"http://{s.host}:{s.port}"
-        unit.start()
-        try:
-            ready = wait_until_ready(
-                base_url,
-                name,
-                timeout_s=timeout,
-                poll_interval_s=s.poll_interval_s,
-                check_alive=unit.check_alive,
-                api_key=s.api_key,
-            )
-        except BaseException:
-            unit.stop()
-            raise
-        return Server(
-            base_url,
-            name,
-            "systemd",
-            started_here=unit.started_here,
-            ready_s=ready,
-            api_key=s.api_key,
-            _stop=unit.stop,
-        )
 
+def _process_command(
+    cfg: PipelineConfig, model: str, speculative_config: dict[str, Any] | None
+) -> tuple[int, list[str]]:
+    """The port (checked free) and the vLLM command line of a server started here."""
+    s = cfg.serve
     check_model_path(model)
     port = s.port or free_port(s.host)
     if not port_is_free(s.host, port):
@@ -164,13 +180,27 @@ def start_server(
     argv = vllm_command(
         s,
         model,
-        name,
+        cfg.target.served_model_name,
         port=port,
         trust_remote_code=cfg.target.trust_remote_code,
         speculative_config=speculative_config,
     )
     if s.entrypoint == "module":
         check_executable(argv[0])
+    return port, argv
+
+
+def _start_process(
+    cfg: PipelineConfig,
+    model: str,
+    log_dir: Path | None,
+    speculative_config: dict[str, Any] | None,
+    timeout: float,
+) -> Server:
+    """Start vLLM as a child process logging to ``log_dir`` (stopped if it never gets ready)."""
+    s = cfg.serve
+    name = cfg.target.served_model_name
+    port, argv = _process_command(cfg, model, speculative_config)
     env = dict(s.env)
     if s.api_key:
         env["VLLM_API_KEY"] = s.api_key  # not on the command line, so never in ps or logs

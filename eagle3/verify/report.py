@@ -15,19 +15,38 @@ def _f(x: Any, nd: int = 3) -> str:
 
 
 def render_markdown(r: dict[str, Any]) -> str:
+    lines = _summary_lines(r)
+    lines += _acceptance_table(r)
+    lines += _throughput_table(r)
+    lines += _baseline_drift_lines(r)
+    lines += _ngram_markdown(r)
+    lines += _offline_lines(r)
+    lines += _servers_lines(r)
+    return "\n".join(lines)
+
+
+def _summary_lines(r: dict[str, Any]) -> list[str]:
     acc = r["acceptance"]
     gate = r["gate"]
-    lines = [
+    wl = r["workload"]
+    return [
         f"# Verify: {r['profile']}",
         "",
-        f"- draft: `{r['draft_dir']}` (k = {r['num_speculative_tokens']}, temperature {r['temperature']})",
-        f"- workload: {r['workload']['name']}, {r['workload']['conversations']} conversations x "
-        f"{r['workload']['turns']} turns, max_tokens {r['max_tokens']} (fingerprint {r['workload']['fingerprint']})",
-        f"- **mean acceptance length {_f(acc['acceptance_length'])}**, acceptance rate {_f(acc['acceptance_rate'])}",
+        f"- draft: `{r['draft_dir']}` (k = {r['num_speculative_tokens']}, "
+        f"temperature {r['temperature']})",
+        f"- workload: {wl['name']}, {wl['conversations']} conversations x "
+        f"{wl['turns']} turns, max_tokens {r['max_tokens']} (fingerprint {wl['fingerprint']})",
+        f"- **mean acceptance length {_f(acc['acceptance_length'])}**, "
+        f"acceptance rate {_f(acc['acceptance_rate'])}",
         _ngram_line(r),
         f"- gate: **{'passed' if gate['passed'] else 'FAILED'}**"
         + ("" if gate["passed"] else ": " + "; ".join(gate["reasons"])),
         f"- promoted: `{r['promoted']}`" if r.get("promoted") else "- promoted: no",
+    ]
+
+
+def _acceptance_table(r: dict[str, Any]) -> list[str]:
+    lines = [
         "",
         "## Acceptance per position (vLLM counters)",
         "",
@@ -35,70 +54,93 @@ def render_markdown(r: dict[str, Any]) -> str:
         "|---|---|" + ("---|" if r.get("offline") else ""),
     ]
     off = (r.get("offline") or {}).get("acceptance_per_position") or []
-    for i, v in enumerate(acc["acceptance_per_position"]):
+    for i, v in enumerate(r["acceptance"]["acceptance_per_position"]):
         lines.append(
             f"| {i} | {_f(v)} |"
             + (f" {_f(off[i]) if i < len(off) else '-'} |" if r.get("offline") else "")
         )
-    lines += [
+    return lines
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1000
+
+
+def _throughput_table(r: dict[str, Any]) -> list[str]:
+    lines = [
         "",
         "## Throughput",
         "",
-        "| concurrency | baseline tok/s | speculative tok/s | speedup | baseline TPOT ms | speculative TPOT ms "
-        "| TPOT ratio | acceptance length | greedy mismatches |",
+        "| concurrency | baseline tok/s | speculative tok/s | speedup | baseline TPOT ms "
+        "| speculative TPOT ms | TPOT ratio | acceptance length | greedy mismatches |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for w in r["windows"]:
         b, s = w["baseline"], w["speculative"]
-        ms = lambda x: None if x is None else x * 1000  # noqa: E731
         mm = w.get("outputs") or {}
         lines.append(
-            f"| {w['concurrency']} | {_f(b['output_tokens_per_s'], 1)} | {_f(s['output_tokens_per_s'], 1)} | "
-            f"{_f(w['speedup'])} | {_f(ms(b['server_mean_tpot_s']), 2)} | {_f(ms(s['server_mean_tpot_s']), 2)} | "
+            f"| {w['concurrency']} | {_f(b['output_tokens_per_s'], 1)} | "
+            f"{_f(s['output_tokens_per_s'], 1)} | {_f(w['speedup'])} | "
+            f"{_f(_ms(b['server_mean_tpot_s']), 2)} | {_f(_ms(s['server_mean_tpot_s']), 2)} | "
             f"{_f(w['tpot_ratio'])} | {_f(s['acceptance_length'])} | "
             f"{mm.get('mismatches', '-')} / {mm.get('compared', '-')} |"
         )
+    return lines
+
+
+def _baseline_drift_lines(r: dict[str, Any]) -> list[str]:
+    """How much the baseline's own greedy outputs moved between concurrencies."""
     moved = [
         (w["concurrency"], w["baseline_vs_first_window"])
         for w in r["windows"]
         if w.get("baseline_vs_first_window")
     ]
-    if moved:
-        lines += [
-            "",
-            "Greedy outputs of the baseline itself at another concurrency (batch-shape numerics alone): "
-            + ", ".join(
-                f"c={c}: {m['mismatches']} / {m['compared']} differ from c={r['windows'][0]['concurrency']}"
-                for c, m in moved
-            )
-            + ".",
-        ]
-    lines += _ngram_markdown(r)
-    if r.get("offline"):
-        o = r["offline"]
-        lines += [
-            "",
-            "## Offline estimate (PyTorch, target + draft, greedy chains)",
-            "",
-            f"- acceptance length {_f(o['acceptance_length'])} over {o['chains']} chains of {o['sequences']} "
-            f"sequences; vLLM {_f(acc['acceptance_length'])}; difference {_f(o.get('difference_from_vllm'))}",
-        ]
-        on = o.get("ngram")
-        if on:
-            lines.append(
-                f"- n-gram baseline simulated on the same sequences: acceptance length "
-                f"{_f(on['acceptance_length'])} over all steps, {_f(on['acceptance_length_proposing'])} over "
-                f"the {on['proposing_chains']} of {on['chains']} steps where it proposed"
-            )
-    ng = (r["servers"].get("ngram") or {}).get("ready_s")
-    lines += [
+    if not moved:
+        return []
+    first = r["windows"][0]["concurrency"]
+    return [
         "",
-        f"Servers: baseline ready in {_f(r['servers']['baseline']['ready_s'], 1)} s, speculative in "
-        f"{_f(r['servers']['speculative']['ready_s'], 1)} s"
+        "Greedy outputs of the baseline itself at another concurrency (batch-shape numerics "
+        "alone): "
+        + ", ".join(
+            f"c={c}: {m['mismatches']} / {m['compared']} differ from c={first}" for c, m in moved
+        )
+        + ".",
+    ]
+
+
+def _offline_lines(r: dict[str, Any]) -> list[str]:
+    if not r.get("offline"):
+        return []
+    o = r["offline"]
+    lines = [
+        "",
+        "## Offline estimate (PyTorch, target + draft, greedy chains)",
+        "",
+        f"- acceptance length {_f(o['acceptance_length'])} over {o['chains']} chains of "
+        f"{o['sequences']} sequences; vLLM {_f(r['acceptance']['acceptance_length'])}; "
+        f"difference {_f(o.get('difference_from_vllm'))}",
+    ]
+    on = o.get("ngram")
+    if on:
+        lines.append(
+            f"- n-gram baseline simulated on the same sequences: acceptance length "
+            f"{_f(on['acceptance_length'])} over all steps, "
+            f"{_f(on['acceptance_length_proposing'])} over "
+            f"the {on['proposing_chains']} of {on['chains']} steps where it proposed"
+        )
+    return lines
+
+
+def _servers_lines(r: dict[str, Any]) -> list[str]:
+    ng = (r["servers"].get("ngram") or {}).get("ready_s")
+    return [
+        "",
+        f"Servers: baseline ready in {_f(r['servers']['baseline']['ready_s'], 1)} s, "
+        f"speculative in {_f(r['servers']['speculative']['ready_s'], 1)} s"
         + (f", n-gram in {_f(ng, 1)} s." if ng is not None else "."),
         "",
     ]
-    return "\n".join(lines)
 
 
 def _ngram_line(r: dict[str, Any]) -> str:
@@ -111,12 +153,14 @@ def _ngram_line(r: dict[str, Any]) -> str:
     vs = r.get("versus_ngram") or {}
     c = vs.get("concurrency")
     beats = (r.get("gate") or {}).get("checks", {}).get("beats_ngram")
+    sc = ng["speculative_config"]
     return (
-        f"- n-gram baseline (prompt lookup, n {ng['speculative_config']['prompt_lookup_min']}.."
-        f"{ng['speculative_config']['prompt_lookup_max']}): acceptance length {_f(ng['acceptance_length'])} "
-        f"in vLLM (steps where it proposed), {_f(ng['acceptance_length_all_steps'])} over all steps; speedup "
-        f"at concurrency {c}: draft x{_f((vs.get('draft') or {}).get('speedup'))}, n-gram "
-        f"x{_f((vs.get('ngram') or {}).get('speedup'))}; **draft beats n-gram: "
+        f"- n-gram baseline (prompt lookup, n {sc['prompt_lookup_min']}.."
+        f"{sc['prompt_lookup_max']}): acceptance length {_f(ng['acceptance_length'])} "
+        f"in vLLM (steps where it proposed), {_f(ng['acceptance_length_all_steps'])} over all "
+        f"steps; speedup at concurrency {c}: "
+        f"draft x{_f((vs.get('draft') or {}).get('speedup'))}, "
+        f"n-gram x{_f((vs.get('ngram') or {}).get('speedup'))}; **draft beats n-gram: "
         f"{'yes' if beats else 'no' if beats is not None else '-'}**"
     )
 
@@ -131,9 +175,11 @@ def _ngram_markdown(r: dict[str, Any]) -> list[str]:
         "",
         "## N-gram baseline (prompt lookup) vs the draft",
         "",
-        f"Same workload on the target served with `--speculative-config '{json.dumps(ng['speculative_config'])}'`. "
-        "vLLM counts only the steps where n-gram proposed something (no match, no draft); an EAGLE draft "
-        f"proposes at every step. N-gram proposed at {_f(_pct(ng.get('proposing_fraction')), 1)} % of the steps "
+        "Same workload on the target served with "
+        f"`--speculative-config '{json.dumps(ng['speculative_config'])}'`. "
+        "vLLM counts only the steps where n-gram proposed something (no match, no draft); "
+        "an EAGLE draft proposes at every step. N-gram proposed at "
+        f"{_f(_pct(ng.get('proposing_fraction')), 1)} % of the steps "
         "(simulated over its own outputs); over all steps is the draft's definition.",
         "",
         "| | draft (EAGLE-3) | n-gram (vLLM, proposing steps) | n-gram (all steps, simulated) |",
@@ -150,8 +196,8 @@ def _ngram_markdown(r: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        "| concurrency | baseline tok/s | draft tok/s | draft speedup | n-gram tok/s | n-gram speedup "
-        "| n-gram acceptance length | n-gram greedy mismatches |",
+        "| concurrency | baseline tok/s | draft tok/s | draft speedup | n-gram tok/s "
+        "| n-gram speedup | n-gram acceptance length | n-gram greedy mismatches |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for w, nw in zip(r["windows"], ng["windows"]):
@@ -160,13 +206,15 @@ def _ngram_markdown(r: dict[str, Any]) -> list[str]:
             f"| {w['concurrency']} | {_f(w['baseline']['output_tokens_per_s'], 1)} | "
             f"{_f(w['speculative']['output_tokens_per_s'], 1)} | {_f(w['speedup'])} | "
             f"{_f(nw['ngram']['output_tokens_per_s'], 1)} | {_f(nw['speedup'])} | "
-            f"{_f(nw['ngram']['acceptance_length'])} | {mm.get('mismatches', '-')} / {mm.get('compared', '-')} |"
+            f"{_f(nw['ngram']['acceptance_length'])} | "
+            f"{mm.get('mismatches', '-')} / {mm.get('compared', '-')} |"
         )
     sv = (ng.get("simulated") or {}).get("vs_vllm") or {}
     if sv:
         lines += [
             "",
-            "Simulated over the n-gram server's own outputs (`eagle3/verify/ngram.py`) vs its counters: "
+            "Simulated over the n-gram server's own outputs (`eagle3/verify/ngram.py`) "
+            "vs its counters: "
             + ", ".join(
                 f"{name} {_f(sv[name]['simulated'], 0)} vs {_f(sv[name]['vllm'], 0)}"
                 for name in ("drafts", "draft_tokens", "accepted")

@@ -1,0 +1,191 @@
+"""The verify stage's three arms, served one after the other with the same settings: the target
+alone (baseline), target + draft (speculative), and target + prompt lookup (the n-gram baseline,
+optional). Each is started through the serve stage, warmed up and measured at every concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.atomic import replace_symlink
+from eagle3.serving.gpus import release_gpus
+from eagle3.serving.server import Server, start_server
+from eagle3.verify.client import WorkloadRun, run_workload, warmup
+from eagle3.verify.metrics import Snapshot, snapshot
+from eagle3.verify.ngram_baseline import ngram_speculative_config
+from eagle3.verify.workload import Conversation
+
+Window = tuple[WorkloadRun, Snapshot, Snapshot]
+"""One measured window: the client's run, the server's counters before and after it."""
+
+Progress = Callable[[str, int, int, int], None]
+
+
+def point_candidate(link: Path, draft_dir: Path) -> None:
+    """Atomically point ``link`` (named by the speculative unit) at the draft under test."""
+    replace_symlink(link, draft_dir)
+
+
+def speculative_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Path) -> Server:
+    """The target + draft server (an external or systemd one must already carry ``spec``)."""
+    s = cfg.serve
+    v = cfg.verify
+    if s.backend == "external":
+        if not v.speculative_base_url:
+            raise ValueError(
+                "serve.backend external: set verify.speculative_base_url to the server running "
+                f"target + draft with --speculative-config '{spec}'"
+            )
+        serve = s.model_copy(update={"base_url": v.speculative_base_url})
+        return start_server(cfg.model_copy(update={"serve": serve}), model)
+    if s.backend == "systemd":
+        if not v.speculative_unit:
+            raise ValueError(
+                "serve.backend systemd: set verify.speculative_unit to a unit serving target + "
+                f"draft (its ExecStart needs --speculative-config '{spec}')"
+            )
+        point_candidate(Path(v.candidate_link), Path(spec["model"]))
+        serve = s.model_copy(update={"unit": v.speculative_unit})
+        return start_server(cfg.model_copy(update={"serve": serve}), model)
+    return start_server(cfg, model, speculative_config=spec, log_dir=log_dir)
+
+
+def ngram_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Path) -> Server | str:
+    """The n-gram baseline server, or why it is not measured (a backend that starts no process
+    needs its address or unit; the baseline is optional, so a missing one is reported, not
+    fatal)."""
+    s = cfg.serve
+    v = cfg.verify
+    flag = f"--speculative-config '{json.dumps(spec)}'"
+    if s.backend == "external":
+        if not v.ngram_base_url:
+            return (
+                "serve.backend external: no verify.ngram_base_url "
+                f"(a server running the target with {flag})"
+            )
+        serve = s.model_copy(update={"base_url": v.ngram_base_url})
+        return start_server(cfg.model_copy(update={"serve": serve}), model)
+    if s.backend == "systemd":
+        if not v.ngram_unit:
+            return (
+                "serve.backend systemd: no verify.ngram_unit "
+                f"(a unit whose ExecStart carries {flag})"
+            )
+        serve = s.model_copy(update={"unit": v.ngram_unit})
+        return start_server(cfg.model_copy(update={"serve": serve}), model)
+    return start_server(cfg, model, speculative_config=spec, log_dir=log_dir)
+
+
+def measure(
+    server: Server,
+    convs: list[Conversation],
+    cfg: Any,
+    label: str,
+    on_result: Progress | None = None,
+) -> list[Window]:
+    """Warm up, then one measured window per concurrency: (client run, counters before, after).
+
+    ``on_result(label, concurrency, requests done, requests in the window)`` after each request."""
+    v = cfg.verify
+    requests = sum(len(c.turns) for c in convs)
+    warmup(server.base_url, server.model, v.warmup_requests, server.api_key, v.timeout_s)
+    windows = []
+    for c in v.concurrency:
+        before = snapshot(server.base_url, server.api_key)
+        done = [0]
+
+        def tick(_r: Any, c: int = c, done: list[int] = done) -> None:
+            done[0] += 1
+            if on_result is not None:
+                on_result(label, c, done[0], requests)
+
+        run = run_workload(
+            server.base_url,
+            server.model,
+            convs,
+            concurrency=c,
+            max_tokens=v.max_tokens,
+            temperature=v.temperature,
+            seed=v.seed,
+            api_key=server.api_key,
+            timeout_s=v.timeout_s,
+            on_result=tick,
+        )
+        after = snapshot(server.base_url, server.api_key)
+        windows.append((run, before, after))
+    return windows
+
+
+@dataclass
+class Arms:
+    """What the three servers measured, and how each was served."""
+
+    base: list[Window]
+    base_info: dict[str, Any]
+    spec: list[Window]
+    spec_info: dict[str, Any]
+    ngram: list[Window] | None
+    ngram_info: dict[str, Any] | None
+    ngram_reason: str | None
+
+
+def measure_arms(
+    cfg: Any,
+    model: str,
+    spec: dict[str, Any],
+    convs: list[Conversation],
+    log_dir: Path,
+    log: Callable[[str], None],
+    on_progress: Progress | None,
+) -> Arms:
+    """Baseline, then target + draft, then (``verify.ngram_baseline``) the n-gram baseline."""
+    with start_server(cfg, model, log_dir=log_dir) as base_server:
+        log(f"verify: baseline ready in {base_server.ready_s:.1f} s")
+        base = measure(base_server, convs, cfg, "baseline", on_progress)
+        base_info = base_server.info()
+    # the baseline unit may still hold them
+    release_gpus(cfg, "verify (speculative server)", log=log)
+    with speculative_server(cfg, model, spec, log_dir) as spec_server:
+        log(f"verify: speculative ready in {spec_server.ready_s:.1f} s")
+        specw = measure(spec_server, convs, cfg, "speculative", on_progress)
+        spec_info = spec_server.info()
+    # its own log folder: the draft server's log stays the only *.log with
+    # --speculative-config in logs/
+    ngramw, ngram_info, reason = measure_ngram(
+        cfg, model, convs, log_dir / "ngram", log, on_progress
+    )
+    return Arms(base, base_info, specw, spec_info, ngramw, ngram_info, reason)
+
+
+def measure_ngram(
+    cfg: Any,
+    model: str,
+    convs: list[Conversation],
+    log_dir: Path,
+    log: Callable[[str], None],
+    on_progress: Progress | None,
+) -> tuple[list[Window] | None, dict[str, Any] | None, str | None]:
+    """The n-gram baseline's windows and server, or why it was not measured."""
+    if not cfg.verify.ngram_baseline:
+        return None, None, "verify.ngram_baseline is off"
+    ngramw, ngram_info, ngram_reason = None, None, None
+    release_gpus(cfg, "verify (n-gram server)", log=log)
+    try:
+        server = ngram_server(cfg, model, ngram_speculative_config(cfg), log_dir)
+        if isinstance(server, str):
+            ngram_reason = server
+        else:
+            with server:
+                log(f"verify: n-gram ready in {server.ready_s:.1f} s")
+                ngramw = measure(server, convs, cfg, "ngram", on_progress)
+                ngram_info = server.info()
+    # a baseline that failed is reported; the draft's numbers stand
+    except Exception as e:  # noqa: BLE001
+        ngramw, ngram_reason = None, f"the n-gram server failed: {type(e).__name__}: {e}"[:2000]
+    if ngram_reason:
+        log(f"verify: n-gram baseline not measured: {ngram_reason}")
+    return ngramw, ngram_info, ngram_reason
