@@ -92,3 +92,19 @@ def count_samples(out: Path) -> int:
     from eagle3.generate.storage import iter_samples
 
     return sum(1 for _ in iter_samples(out, on_bad=lambda *_: None)) if out.exists() else 0
+
+
+def progress_bar(label: str, *fields: str):
+    """The stage commands' progress bar: label, bar, done/total, ``fields`` (rich format strings
+    over the task's fields), time left; it stays on screen when done."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    extra = [TextColumn(f) for f in fields]
+    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), *extra, TimeRemainingColumn()]
+    return Progress(*columns, transient=False)

@@ -19,6 +19,7 @@ from eagle3.cli_common import (
     count_samples,
     fail,
     load_profile,
+    progress_bar,
     saved,
     served,
     tokenizer_path,
@@ -41,14 +42,6 @@ def generate(
     ] = None,
 ) -> None:
     """Send every prompt to the target and keep reasoning, answer and exact token ids (resumable)."""  # noqa: E501
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
     from eagle3.embedded import EmbeddedModelError
     from eagle3.generate.runner import ServerUnavailable
     from eagle3.serving.readiness import ServerError
@@ -59,14 +52,8 @@ def generate(
     tokenizer = tokenizer_path(cfg)
     try:
         with served(cfg, base_url) as urls:
-            with Progress(
-                TextColumn("generate"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[tps]:.0f} tok/s  errors {task.fields[err]}"),
-                TimeRemainingColumn(),
-                transient=False,
-            ) as bar:
+            fields = "{task.fields[tps]:.0f} tok/s  errors {task.fields[err]}"
+            with progress_bar("generate", fields) as bar:
                 task = bar.add_task("generate", total=cfg.generate.num_samples, tps=0.0, err=0)
 
                 def show(p):
@@ -144,14 +131,6 @@ def extract(
     ] = None,
 ) -> None:
     """Hidden states at the auxiliary layers (+ final pre-norm state) over the generated conversations."""  # noqa: E501
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
     from eagle3.embedded import EmbeddedModelError, resolve_model
     from eagle3.extract.runner import TokenizerMismatch
     from eagle3.stages import run_stage
@@ -160,12 +139,7 @@ def extract(
     generate_dir = generate_dir or cfg.paths.stage_dir("generate")
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
-        with (
-            units_restored(cfg),
-            Progress(
-                TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
-            ) as bar,
-        ):
+        with units_restored(cfg), progress_bar("extract") as bar:
             task = bar.add_task("extract", total=None)
             out, m, _ = run_stage(
                 cfg,
