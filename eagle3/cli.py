@@ -27,6 +27,7 @@ from eagle3.cli_stages import (
     extract,
     generate,
     profile_concurrency_cmd,
+    run_stage_cmd,
     train,
     verify,
     vocab,
@@ -180,6 +181,7 @@ COMMANDS = [
     ("train", train),
     ("verify", verify),
     ("estimate-acceptance", estimate_acceptance),
+    ("run-stage", run_stage_cmd),
 ]
 for _name, _command in COMMANDS:
     app.command(_name)(_command)

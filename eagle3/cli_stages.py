@@ -347,3 +347,37 @@ def estimate_acceptance(
         f"{fmt(ng['acceptance_length_proposing'])} over the {ng['proposing_chains']} steps where "
         "it proposed (what vLLM's /metrics would count)"
     )
+
+
+def run_stage_cmd(
+    name: Annotated[str, typer.Argument(help="A stage of the registry (eagle3/stages.py).")],
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    input_: Annotated[
+        list[str] | None,
+        typer.Option("--input", help="STAGE=FOLDER (default: each input stage's latest artifact)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output folder (default: <run dir>/<stage>/<key>).")
+    ] = None,
+) -> None:
+    """Any registry stage on its inputs (a new stage needs no command of its own); prints its summary."""  # noqa: E501
+    import json
+
+    from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.stages import STAGES, run_stage
+
+    cfg = load_profile(config, set_)
+    if name not in STAGES:
+        fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    given = dict(i.split("=", 1) for i in input_ or [])
+    dirs = {i: Path(given.get(i) or cfg.paths.stage_dir(i)) for i in STAGES[name].inputs}
+    try:
+        model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
+    except EmbeddedModelError:
+        model = None  # not prepared: only a stage that reads the target needs it
+    try:
+        out, _, summary = run_stage(cfg, name, dirs, out, model=model)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    typer.echo(f"{out}: {json.dumps(summary)}")

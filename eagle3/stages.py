@@ -14,8 +14,9 @@ artifact bookkeeping (``eagle3/artifacts.py``) need to know about it:
 - ``files``: the names of what it writes that later stages read, so no caller guesses a path;
 - ``gpus``: it needs the GPUs, so a running systemd unit is stopped first (``release_gpus``).
 
-Adding a stage is one module with its library function plus one entry in ``STAGES`` (docs/
-orchestration.md, "Adding a stage").
+Adding a stage is one module with its library function plus one entry in ``STAGES``: ``eagle3
+run-stage`` and the hero run (``tasks/stage.py``) run any entry (docs/orchestration.md, "Adding a
+stage").
 """
 
 from __future__ import annotations

@@ -38,11 +38,12 @@ from tasks.extract import extract_task
 from tasks.generate import generate_task
 from tasks.prepare_model import prepare_model_task
 from tasks.serve import LazyServer, stop_recorded_servers
+from tasks.stage import stage_task
 from tasks.train import train_task
 from tasks.verify import verify_task
 from tasks.vocab import vocab_task
 
-Stage = Literal["generate", "extract", "vocab", "train", "verify"]
+Stage = Literal[stages.NAMES]  # the registry's stages: the UI form lists them
 ALL_STAGES: list[Stage] = list(stages.NAMES)
 DEFAULT_PROFILE = "configs/smollm2-cpu.yaml"
 
@@ -311,12 +312,33 @@ def _generate_phase(run: _Run, server: LazyServer, summary: dict[str, Any]) -> N
         server.stop()  # one server at a time: extract (vllm backend) and verify start their own
 
 
+# Stages with a task module of their own (richer artifacts), and the target folder argument
+# each takes; every other registry stage runs through tasks/stage.py's generic task.
+TASKS: dict[str, tuple[Any, str | None]] = {
+    "extract": (extract_task, "model_path"),
+    "vocab": (vocab_task, None),
+    "train": (train_task, "target_dir"),
+    "verify": (verify_task, "model"),
+}
+
+
+def _needed(selected: set[str]) -> set[str]:
+    """The selected stages and the inputs they read (a left-out input: its latest artifact)."""
+    return set(selected).union(*(stages.STAGES[s].inputs for s in selected))
+
+
 def _later_stages(run: _Run, summary: dict[str, Any]) -> None:
-    run.calls["extract"] = run.stage("extract", extract_task, model_path=run.model)
-    run.calls["vocab"] = run.stage("vocab", vocab_task)
-    run.calls["train"] = run.stage("train", train_task, target_dir=run.model)
-    if "verify" in run.selected:
-        run.calls["verify"] = run.stage("verify", verify_task, model=run.model)
+    """Every registry stage after generate, in pipeline order, that the selection needs."""
+    needed = _needed(run.selected)
+    for name in list(stages.STAGES)[1:]:
+        if name not in needed:
+            continue
+        task, model_arg = TASKS.get(name, (stage_task.with_options(name=name), "model"))
+        kwargs = {model_arg: run.model} if model_arg else {}
+        if name not in TASKS:
+            kwargs["stage"] = name
+        run.calls[name] = run.stage(name, task, **kwargs)
+    if "verify" in run.calls:
         summary["acceptance_length"] = run.calls["verify"].result.get("acceptance_length")
 
 

@@ -23,6 +23,7 @@ TIMEOUT_S = {
     "vocab": 2 * HOUR,
     "train": 96 * HOUR,
     "verify": 8 * HOUR,
+    "stage": 48 * HOUR,  # a registry stage without a task module of its own (tasks/stage.py)
 }
 
 
