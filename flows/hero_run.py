@@ -336,7 +336,7 @@ def _later_stages(run: _Run, summary: dict[str, Any]) -> None:
         task, model_arg = TASKS.get(name, (stage_task.with_options(name=name), "model"))
         kwargs = {model_arg: run.model} if model_arg else {}
         if name not in TASKS:
-            kwargs["stage"] = name
+            kwargs["stage_name"] = name
         run.calls[name] = run.stage(name, task, **kwargs)
     if "verify" in run.calls:
         summary["acceptance_length"] = run.calls["verify"].result.get("acceptance_length")

@@ -29,17 +29,19 @@ def stage_task(
     cfg: PipelineConfig,
     out_dir: str,
     input_dirs: dict[str, str],
-    stage: str,
+    stage_name: str,
     model: str | None = None,
 ) -> dict:
     logger = get_run_logger()
     t0 = time.monotonic()
-    _, _, summary = run_stage(cfg, stage, input_dirs, Path(out_dir), model=model, log=logger.info)
+    _, _, summary = run_stage(
+        cfg, stage_name, input_dirs, Path(out_dir), model=model, log=logger.info
+    )
     lib_wall = time.monotonic() - t0
-    logger.info("%s: %s", stage, summary)
+    logger.info("%s: %s", stage_name, summary)
     create_table_artifact(
-        key=f"{stage}-summary",
+        key=f"{stage_name}-summary",
         table=[{"field": k, "value": str(v)} for k, v in summary.items()],
-        description=f"{stage}: the summary kept in artifact.json",
+        description=f"{stage_name}: the summary kept in artifact.json",
     )
     return {**summary, "lib_wall_s": round(lib_wall, 3)}
