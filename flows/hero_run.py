@@ -18,7 +18,6 @@ The report (hero-run.json, the UI's summary artifacts, the closing lines) is flo
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +26,14 @@ from typing import Any, Literal
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3 import PROJECT_ROOT, artifacts, stages
+from eagle3 import PROJECT_ROOT, stages
 from eagle3.config import ConfigError, PipelineConfig, load_config
 from eagle3.generate.status import generate_status
 from eagle3.serving.gpus import units_restored
 from flows.hero_report import ngram_summary as ngram_summary  # re-exported
 from flows.hero_report import print_summary, write_report
-from tasks.caching import StageCall, call_stage
+from flows.stage_folders import prepare_folder, run_stage_task, use_latest
+from tasks.caching import StageCall
 from tasks.extract import extract_task
 from tasks.generate import generate_task
 from tasks.prepare_model import prepare_model_task
@@ -114,66 +114,6 @@ def _stop_servers_hook(flow: Any, flow_run: Any, state: Any) -> None:
 # One stage
 
 
-def _use_latest(cfg: PipelineConfig, stage: str) -> StageCall:
-    found = artifacts.latest(cfg, stage)
-    if found is None:
-        raise RuntimeError(
-            f"stage {stage} is not in this run's stages and {cfg.paths.stage_root(stage)} has no "
-            f"complete latest artifact: run {stage} first"
-        )
-    d, m = found
-    return StageCall(stage, m["key"], str(d), "latest", m.get("result") or {})
-
-
-def _prepare_folder(stage: str, out_dir: Path, key: str, forced: set[str]) -> bool:
-    """Whether the cached result must be refreshed; clears what cannot be trusted.
-
-    A complete folder is a hit. A folder that never finished (no artifact.json) is resumed: every
-    stage continues where it stopped. A finished folder that lost or changed files is rebuilt
-    from scratch (a resume would trust its own bookkeeping), except generate, whose resume reads
-    the samples themselves and so requests exactly the ones that are gone.
-    """
-    logger = get_run_logger()
-    if stage in forced:
-        if out_dir.exists():
-            logger.info("%s: forced, clearing %s", stage, out_dir)
-            shutil.rmtree(out_dir)
-        return True
-    issues = artifacts.problems(out_dir, key)
-    if not issues:
-        return False
-    if out_dir.exists():
-        sealed = artifacts.read_marker(out_dir) is not None
-        if sealed and stage != "generate":
-            logger.warning("%s: %s; rebuilding it", stage, "; ".join(issues[:3]))
-            shutil.rmtree(out_dir)
-        else:
-            (out_dir / artifacts.MARKER).unlink(missing_ok=True)
-            logger.info("%s: resuming in %s (%s)", stage, out_dir, issues[0])
-    return True
-
-
-def _run_stage(
-    stage: str,
-    task: Any,
-    cfg: PipelineConfig,
-    key: str,
-    forced: set[str],
-    refresh: bool | None = None,
-    **kwargs: Any,
-) -> StageCall:
-    out_dir = cfg.paths.artifact_dir(stage, key)
-    if refresh is None:
-        refresh = _prepare_folder(stage, out_dir, key, forced)
-    # the task runs the stage through eagle3.stages.run_stage, which seals the folder
-    call = call_stage(task, cfg, stage, out_dir, refresh, **kwargs)
-    if artifacts.read_marker(out_dir) is None:
-        raise RuntimeError(f"{stage}: {out_dir} has no {artifacts.MARKER} after the task")
-    artifacts.set_latest(cfg, stage, key)
-    call.result = {**(artifacts.read_marker(out_dir) or {}).get("result", {}), "task": call.result}
-    return call
-
-
 def _generate(
     cfg: PipelineConfig, model: str, server: LazyServer, forced: set[str]
 ) -> tuple[StageCall, dict]:
@@ -181,7 +121,7 @@ def _generate(
     logger = get_run_logger()
     key = stages.stage_key(cfg, "generate")
     out_dir = cfg.paths.artifact_dir("generate", key)
-    refresh = _prepare_folder("generate", out_dir, key, forced)
+    refresh = prepare_folder("generate", out_dir, key, forced)
     status = generate_status(cfg, key)
     needs_server = status.pending > 0 or not (out_dir / "manifest.json").is_file()
     logger.info(
@@ -194,7 +134,7 @@ def _generate(
     )
     urls = server.base_urls() if needs_server else []
     tokenizer = model if cfg.target.is_embedded else cfg.target.tokenizer
-    call = _run_stage(
+    call = run_stage_task(
         "generate",
         generate_task,
         cfg,
@@ -244,11 +184,11 @@ class _Run:
         """One stage on its inputs' folders (the stage reads what it needs from them)."""
         self.current = name
         if name not in self.selected:
-            return _use_latest(self.cfg, name)
+            return use_latest(self.cfg, name)
         dirs = {i: self.calls[i].out_dir for i in stages.STAGES[name].inputs}
         keys = stages.input_keys(name, {i: Path(d) for i, d in dirs.items()})
         key = stages.stage_key(self.cfg, name, keys)
-        return _run_stage(name, task, self.cfg, key, self.forced, input_dirs=dirs, **kwargs)
+        return run_stage_task(name, task, self.cfg, key, self.forced, input_dirs=dirs, **kwargs)
 
 
 def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[str, Any]:
@@ -305,7 +245,7 @@ def _generate_phase(run: _Run, server: LazyServer, summary: dict[str, Any]) -> N
                 run.cfg, run.model, server, run.forced
             )
         else:
-            run.calls["generate"] = _use_latest(run.cfg, "generate")
+            run.calls["generate"] = use_latest(run.cfg, "generate")
     finally:
         summary["server"] = server.info()
         summary["smoke_chat"] = server.smoke.to_dict() if server.smoke else None

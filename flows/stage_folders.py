@@ -1,0 +1,77 @@
+"""A stage's keyed folder around its Prefect task: trust it, resume it or clear it before the task
+runs, check it was sealed after, and the latest artifact of a stage the run leaves out."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+
+from eagle3 import artifacts
+from eagle3.config import PipelineConfig
+from tasks.caching import StageCall, call_stage
+
+
+def use_latest(cfg: PipelineConfig, stage: str) -> StageCall:
+    """A stage the run leaves out: its latest complete artifact, or an error saying to run it."""
+    found = artifacts.latest(cfg, stage)
+    if found is None:
+        raise RuntimeError(
+            f"stage {stage} is not in this run's stages and {cfg.paths.stage_root(stage)} has no "
+            f"complete latest artifact: run {stage} first"
+        )
+    d, m = found
+    return StageCall(stage, m["key"], str(d), "latest", m.get("result") or {})
+
+
+def prepare_folder(stage: str, out_dir: Path, key: str, forced: set[str]) -> bool:
+    """Whether the cached result must be refreshed; clears what cannot be trusted.
+
+    A complete folder is a hit. A folder that never finished (no artifact.json) is resumed: every
+    stage continues where it stopped. A finished folder that lost or changed files is rebuilt
+    from scratch (a resume would trust its own bookkeeping), except generate, whose resume reads
+    the samples themselves and so requests exactly the ones that are gone.
+    """
+    logger = get_run_logger()
+    if stage in forced:
+        if out_dir.exists():
+            logger.info("%s: forced, clearing %s", stage, out_dir)
+            shutil.rmtree(out_dir)
+        return True
+    issues = artifacts.problems(out_dir, key)
+    if not issues:
+        return False
+    if out_dir.exists():
+        sealed = artifacts.read_marker(out_dir) is not None
+        if sealed and stage != "generate":
+            logger.warning("%s: %s; rebuilding it", stage, "; ".join(issues[:3]))
+            shutil.rmtree(out_dir)
+        else:
+            (out_dir / artifacts.MARKER).unlink(missing_ok=True)
+            logger.info("%s: resuming in %s (%s)", stage, out_dir, issues[0])
+    return True
+
+
+def run_stage_task(
+    stage: str,
+    task: Any,
+    cfg: PipelineConfig,
+    key: str,
+    forced: set[str],
+    refresh: bool | None = None,
+    **kwargs: Any,
+) -> StageCall:
+    """``task`` on the stage's keyed folder (prepared first), which must come back sealed; it
+    becomes the stage's ``latest``."""
+    out_dir = cfg.paths.artifact_dir(stage, key)
+    if refresh is None:
+        refresh = prepare_folder(stage, out_dir, key, forced)
+    # the task runs the stage through eagle3.stages.run_stage, which seals the folder
+    call = call_stage(task, cfg, stage, out_dir, refresh, **kwargs)
+    if artifacts.read_marker(out_dir) is None:
+        raise RuntimeError(f"{stage}: {out_dir} has no {artifacts.MARKER} after the task")
+    artifacts.set_latest(cfg, stage, key)
+    call.result = {**(artifacts.read_marker(out_dir) or {}).get("result", {}), "task": call.result}
+    return call
