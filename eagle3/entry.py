@@ -31,7 +31,8 @@ def run(app: Any, args: list[str]) -> None:
     except Interrupted as e:
         saved = getattr(e, "saved", None) or "what it had written is kept"
         typer.secho(
-            f"interrupted ({e}): every server this command started was stopped; {saved}. Rerun the same "
+            f"interrupted ({e}): every server this command started was stopped; {saved}. "
+            "Rerun the same "
             "command to resume.",
             fg="yellow",
             err=True,

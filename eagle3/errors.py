@@ -34,7 +34,8 @@ class ServerError(Eagle3Error, RuntimeError):
 
 
 class EndpointError(ServerError):
-    """A wrong URL, path or key: 404/401/403 from the server. Fatal: no sample is charged with it."""
+    """A wrong URL, path or key: 404/401/403 from the server. Fatal: no sample is charged with
+    it."""
 
 
 class ServerUnavailable(ServerError):
@@ -50,7 +51,8 @@ class MissingSamples(Eagle3Error):
 
 
 class NoResult(Eagle3Error):
-    """A stage ran but produced nothing usable (no finite training step, zero samples): nothing sealed."""
+    """A stage ran but produced nothing usable (no finite training step, zero samples): nothing
+    sealed."""
 
 
 class CorruptArtifact(Eagle3Error):

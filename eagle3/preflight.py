@@ -77,9 +77,11 @@ def _serving(cfg: PipelineConfig) -> list[Check]:
                 detail += f" (install deploy/systemd/{unit}.service: docs/serving.md)"
             elif unit == s.unit and state == "active":
                 detail += (
-                    " - the run stops it for the GPU stages and starts it again (serve.stop_running_unit)"
+                    " - the run stops it for the GPU stages and starts it again "
+                    "(serve.stop_running_unit)"
                     if s.stop_running_unit
-                    else " - the GPU stages will fail while it runs (serve.stop_running_unit: false)"
+                    else " - the GPU stages will fail while it runs "
+                    "(serve.stop_running_unit: false)"
                 )
                 status = "ok" if s.stop_running_unit else "warn"
             out.append(Check("systemd", status, detail))

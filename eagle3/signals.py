@@ -26,7 +26,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 def _raise(signum: int, frame: FrameType | None) -> None:
     # Once is enough: a second signal during the cleanup would abort the stop of the server it
-    # is there to protect. The stop itself is bounded (SIGTERM, then SIGKILL after serve.stop_timeout_s).
+    # is there to protect. The stop itself is bounded (SIGTERM, then SIGKILL after
+    # serve.stop_timeout_s).
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     raise Interrupted(signum)
@@ -34,7 +35,8 @@ def _raise(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def interrupts_raise() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGINT raise ``Interrupted`` (once); handlers restored after."""
+    """Within the block, SIGTERM and SIGINT raise ``Interrupted`` (once); handlers restored
+    after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

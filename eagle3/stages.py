@@ -6,8 +6,8 @@ artifact bookkeeping (``eagle3/artifacts.py``) need to know about it:
 - ``name`` and ``inputs``: the stages whose artifacts it reads (the DAG);
 - ``code_version``: bump it when a change to the stage's code changes what it writes;
 - ``key_config``: the configuration its output depends on. A field of the stage's own config
-  section counts unless it is marked ``UNKEYED`` (``eagle3/config_sections.py``); a serve field counts
-  for the stages its ``keys_stages(...)`` mark names;
+  section counts unless it is marked ``UNKEYED`` (``eagle3/config_sections.py``); a serve field
+  counts for the stages its ``keys_stages(...)`` mark names;
 - ``run``: the library call, given a :class:`StageRun` (config, output folder, input folders);
 - ``summary``: the small result kept in ``artifact.json`` (the keys later stages take, the few
   numbers a report shows);

@@ -56,7 +56,8 @@ def checkpoint_dir(model: str | Path) -> Path:
         except LocalEntryNotFoundError:
             raise FileNotFoundError(
                 f"target {name}: not a local folder, and not in the local Hugging Face cache "
-                f"({constants.HF_HUB_CACHE}). The serve stage's vLLM downloads it there on its first start "
+                f"({constants.HF_HUB_CACHE}). "
+                "The serve stage's vLLM downloads it there on its first start "
                 "(same HF_HOME); or set target.model to the checkpoint's folder"
             ) from None
     raise FileNotFoundError(f"target {name}: no such folder")

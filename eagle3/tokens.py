@@ -53,7 +53,8 @@ def rebuild_token_ids(
     if reasoning:
         if think_start_id is None or think_end_id is None:
             raise ValueError(
-                "the response has reasoning but the profile sets no think tokens (target.think_*_id)"
+                "the response has reasoning but the profile sets no think tokens "
+                "(target.think_*_id)"
             )
         if think_start_id not in prompt_ids[-4:]:
             ids.append(think_start_id)

@@ -324,7 +324,8 @@ def plot_coverage(curve: list[tuple[int, float]], path: Path, chosen: int | None
 
 
 def _check_read(extract_dir: Path, read: int) -> None:
-    """Fewer samples than extract's manifest lists means a shard went missing: fail, do not count less."""
+    """Fewer samples than extract's manifest lists means a shard went missing: fail, do not count
+    less."""
     import json
 
     from eagle3.errors import MissingSamples

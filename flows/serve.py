@@ -1,7 +1,8 @@
 """Serve the hero-run deployments to a Prefect server (what `make ui` runs after starting one).
 
-    PREFECT_API_URL=http://127.0.0.1:4200/api python -m flows.serve [--profile configs/smollm2-cpu.yaml]
-        [--set section.field=value ...] [--stages generate,extract,vocab,train] [--timezone Europe/Berlin]
+    PREFECT_API_URL=http://127.0.0.1:4200/api python -m flows.serve
+        [--profile configs/smollm2-cpu.yaml] [--set section.field=value ...]
+        [--stages generate,extract,vocab,train] [--timezone Europe/Berlin]
         [--only hero-run]
 
 Deployments (all of the one flow ``hero-run``; the UI shows each with a form for its parameters):
@@ -57,7 +58,8 @@ def deployments(
             name="hero-run",
             parameters=params(full),
             tags=["eagle3", "hero-run"],
-            description="The whole pipeline of a profile: generate, extract, vocab, train, verify. Stages whose "
+            description="The whole pipeline of a profile: generate, extract, vocab, train, verify. "
+            "Stages whose "
             "artifacts exist for the same settings and inputs are cache hits.",
         )
     ]
@@ -67,7 +69,8 @@ def deployments(
                 name=stage,
                 parameters=params([stage]),
                 tags=["eagle3", "stage"],
-                description=f"Only the {stage} stage, on the latest artifacts of the stages before it.",
+                description=f"Only the {stage} stage, "
+                "on the latest artifacts of the stages before it.",
             )
         )
     out.append(
@@ -76,7 +79,8 @@ def deployments(
             parameters=params(full),
             tags=["eagle3", "nightly"],
             schedules=[Cron(NIGHTLY_CRON, timezone=timezone)],
-            description=f"Every day at 02:00 ({timezone}): generate answers for new and failed prompts; the later "
+            description=f"Every day at 02:00 ({timezone}): "
+            "generate answers for new and failed prompts; the later "
             "stages rerun only if the data changed.",
         )
     )

@@ -30,7 +30,8 @@ from eagle3.config import PipelineConfig
 
 @dataclass
 class ArtifactKey(CachePolicy):
-    """Cache key = ``<task name>-<artifact key>[-<extra inputs>]``; the artifact key is ``out_dir``'s name."""
+    """Cache key = ``<task name>-<artifact key>[-<extra inputs>]``; the artifact key is
+    ``out_dir``'s name."""
 
     extra: tuple[str, ...] = field(default=())
 

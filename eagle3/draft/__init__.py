@@ -4,7 +4,8 @@
   prefix, the decoder layer, :class:`DraftModel` with the forward).
 - :mod:`eagle3.draft.llama`: vLLM's ``Eagle3LlamaForCausalLM`` (GQA, rotate-half RoPE).
 - :mod:`eagle3.draft.mla`: vLLM's ``Eagle3DeepseekV2ForCausalLM`` (MLA, interleaved YaRN RoPE).
-- :mod:`eagle3.draft.registry`: one :class:`DraftArch` entry per architecture, the one dispatch point.
+- :mod:`eagle3.draft.registry`: one :class:`DraftArch` entry per architecture, the one dispatch
+  point.
 - :mod:`eagle3.draft.export`: the vLLM and speculators checkpoint formats, and reading them back.
 """
 

@@ -73,7 +73,8 @@ from eagle3.draft.common import DraftModel, dtype_name
 from eagle3.draft.llama import DraftConfig, llama_fields
 from eagle3.draft.registry import DRAFTS, arch_of, arch_of_export
 
-#: vLLM's architecture name for the MLA draft (deepseek_eagle3.py; Eagle3DeepseekV3ForCausalLM is an alias).
+#: vLLM's architecture name for the MLA draft (deepseek_eagle3.py; Eagle3DeepseekV3ForCausalLM
+#: is an alias).
 MLA_ARCHITECTURE = DRAFTS["mla"].vllm_architecture
 
 #: The weight names vLLM 0.32's Eagle3LlamaForCausalLM.load_weights accepts for a 1-layer Llama
@@ -116,7 +117,8 @@ def _eagle_config(cfg: Any) -> dict[str, Any]:
 
 
 def vllm_config_dict(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The export's ``config.json``: vLLM's architecture name, the layer fields, the EAGLE-3 fields."""
+    """The export's ``config.json``: vLLM's architecture name, the layer fields, the EAGLE-3
+    fields."""
     arch = arch_of(cfg)
     return {
         "architectures": [arch.vllm_architecture],
@@ -298,7 +300,8 @@ def export_speculators(
     cfg = _check_cfg(model, cfg)
     if not arch_of(cfg).speculators_format:
         raise ValueError(
-            "the speculators format describes Llama layers only: export an MLA draft with export_vllm"
+            "the speculators format describes Llama layers only: "
+            "export an MLA draft with export_vllm"
         )
     tensors = {
         ("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v

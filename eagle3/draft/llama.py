@@ -65,7 +65,8 @@ class DraftConfig(ConfigMethods):
     aux_layer_ids: list[int]
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # HF-style rope scaling dict ({"rope_type": "llama3" | "linear" | "yarn", "factor": ..., ...}) or None
+    # HF-style rope scaling dict ({"rope_type": "llama3" | "linear" | "yarn", "factor": ..., ...})
+    # or None
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
@@ -139,7 +140,8 @@ class DraftConfig(ConfigMethods):
 
 
 def config_from_export(conf: dict[str, Any]) -> DraftConfig:
-    """The config of a vLLM-format export's ``config.json`` (the speculators format unwrapped to it)."""
+    """The config of a vLLM-format export's ``config.json`` (the speculators format unwrapped to
+    it)."""
     return DraftConfig.from_target(
         conf,
         int(conf["draft_vocab_size"]),
@@ -189,7 +191,8 @@ def _yarn_inv_freq(cfg: DraftConfig, inv: torch.Tensor) -> tuple[torch.Tensor, f
 
 
 def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim/2], cos/sin magnitude scale), as vLLM's get_rope builds them."""
+    """(inverse frequencies [head_dim/2], cos/sin magnitude scale), as vLLM's get_rope builds
+    them."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     s = cfg.rope_scaling or {}
@@ -285,7 +288,8 @@ class Attention(nn.Module):
 
 
 class Eagle3Draft(DraftModel):
-    """vLLM's ``Eagle3LlamaForCausalLM``: the shared draft around GQA attention and rotate-half RoPE."""
+    """vLLM's ``Eagle3LlamaForCausalLM``: the shared draft around GQA attention and rotate-half
+    RoPE."""
 
     attention_cls = Attention
     rotary_cls = RotaryEmbedding
@@ -314,7 +318,8 @@ def llama_weight_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
 
 
 def llama_fields(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The Llama layer config both export formats carry (transformers 4.x and 5.x RoPE spellings)."""
+    """The Llama layer config both export formats carry (transformers 4.x and 5.x RoPE
+    spellings)."""
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
         rope_parameters = {

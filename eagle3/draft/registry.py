@@ -25,7 +25,8 @@ class DraftArch:
     """One draft architecture."""
 
     name: str  # the value of train.draft_arch
-    config_cls: type  # dataclass with from_target(target_config, draft_vocab_size, aux_layer_ids, **overrides)
+    # dataclass with from_target(target_config, draft_vocab_size, aux_layer_ids, **overrides)
+    config_cls: type
     module_cls: type[DraftModel]
     vllm_architectures: tuple[
         str, ...
@@ -90,7 +91,8 @@ def arch_of(cfg: Any) -> DraftArch:
 
 
 def arch_of_export(architectures: Sequence[str]) -> DraftArch:
-    """The entry whose vLLM architecture an export's ``config.json`` names (llama when none does)."""
+    """The entry whose vLLM architecture an export's ``config.json`` names (llama when none
+    does)."""
     for arch in DRAFTS.values():
         if any(a in arch.vllm_architectures for a in architectures):
             return arch
@@ -106,7 +108,8 @@ def build_draft(
     load_embeddings: bool = True,
     **overrides: Any,
 ) -> DraftModel:
-    """The draft's config from the target's config.json, a fresh draft, the target's embedding copied in.
+    """The draft's config from the target's config.json, a fresh draft, the target's embedding
+    copied in.
 
     ``arch``: "llama" (vLLM's Eagle3LlamaForCausalLM) or "mla" (vLLM's Eagle3DeepseekV2ForCausalLM,
     for DeepSeek/Kimi-family targets)."""

@@ -12,8 +12,9 @@ own answers still matter: they hold what it writes when serving (its loops inclu
 Each conversation that opens with a user turn gives one example: the first user turn through
 the chat template, then the first answer's tokens and the end-of-turn token; the loss covers
 the answer. With ``extract.dataset_answer_turns`` N > 1 the example goes on through up to N
-user/answer pairs (MT-bench's second turns are such contexts), every answer in the loss. Conversations whose prompt the generate stage answered are left out (that prompt is
-already there, with the target's own answer), and so are excluded prompts (MT-bench).
+user/answer pairs (MT-bench's second turns are such contexts), every answer in the loss.
+Conversations whose prompt the generate stage answered are left out (that prompt is already
+there, with the target's own answer), and so are excluded prompts (MT-bench).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def dataset_answer_examples(
 ) -> Iterator[Example]:
     """Up to ``extract.dataset_answers`` examples of ``generate.dataset`` in a seeded order
     (``generate.seed``); rows are parsed lazily. Rows that give none are counted in ``stats`` by
-    reason (they are rows of the dataset, not samples: the generate stage records unreadable ones)."""
+    reason (they are rows of the dataset, not samples: the generate stage records unreadable
+    ones)."""
     g, want, turns = cfg.generate, cfg.extract.dataset_answers, cfg.extract.dataset_answer_turns
     stats = stats if stats is not None else Counter()
     rows, _ = open_rows(g.dataset, g.split)

@@ -1,13 +1,16 @@
 """Hidden-state storage: sharded safetensors, many samples per shard, bf16 or fp8.
 
 Per shard (``hidden-NNNNN.safetensors``), samples are concatenated along the token axis:
-  input_ids [N] int64, loss_mask [N] uint8, offsets [S+1] int64 (sample i = rows offsets[i]:offsets[i+1])
+  input_ids [N] int64, loss_mask [N] uint8,
+  offsets [S+1] int64 (sample i = rows offsets[i]:offsets[i+1])
   aux   [N, 3H]  the auxiliary layers' states, concatenated in layer-id order
-  final [N, H]   the last layer's output before the final norm (the target distribution comes from it)
+  final [N, H]   the last layer's output before the final norm (the target distribution comes
+                 from it)
 bf16: aux/final stored as bfloat16. fp8: float8_e4m3fn with one float32 scale per token row
 (``aux_scale`` [N], ``final_scale`` [N]): amax/448 per row keeps every row's largest value exact-ish
 and halves the disk (the field's main pain: ~8H bytes per token in bf16).
-The shard's metadata holds the sample ids (JSON). ``index.json`` maps sample id -> (shard, position).
+The shard's metadata holds the sample ids (JSON). ``index.json`` maps sample id ->
+(shard, position).
 
 Shards are written under a temporary name and renamed into place; the index is rewritten
 atomically after each shard, so a killed run resumes from the last complete shard.
@@ -62,11 +65,13 @@ class Sample:
 
 
 def check_shard(path: Path) -> None:
-    """Raise CorruptArtifact, naming the file, unless ``path`` is a whole safetensors file: its header
-    parses and its size is what the header promises. Reads the header only (a shard is GBs)."""
+    """Raise CorruptArtifact, naming the file, unless ``path`` is a whole safetensors file: its
+    header parses and its size is what the header promises. Reads the header only (a shard is
+    GBs)."""
     path = Path(path)
     fix = (
-        f"delete its extract folder {path.parent} and rerun extract (or rerun with a new runs dir); "
+        f"delete its extract folder {path.parent} and rerun extract "
+        "(or rerun with a new runs dir); "
         "the generate output is untouched"
     )
     try:
@@ -142,7 +147,8 @@ class ShardWriter:
             pieces[name] = [x.to(torch.bfloat16) for x in xs]
 
     def flush(self, wait: bool = True) -> None:
-        """Write the buffered samples as one shard (in the writer thread); ``wait`` for it to land."""
+        """Write the buffered samples as one shard (in the writer thread); ``wait`` for it to
+        land."""
         if self._buf:
             self._wait(keep=1)
             name = f"hidden-{len(self.shards):05d}.safetensors"
@@ -153,7 +159,8 @@ class ShardWriter:
             self._wait(keep=0)
 
     def _wait(self, keep: int) -> None:
-        """Wait until at most ``keep`` writes are pending; re-raise a failed write (e.g. disk full)."""
+        """Wait until at most ``keep`` writes are pending; re-raise a failed write (e.g. disk
+        full)."""
         while len(self._inflight) > keep:
             self._inflight.popleft().result()
 

@@ -41,7 +41,8 @@ class ExtractError(RuntimeError):
 
 
 def speculative_config(layer_ids: list[int]) -> dict[str, Any]:
-    """vLLM's capture-only "drafter"; the layers go in the draft hf_config (sorted, unique: vLLM sorts them)."""
+    """vLLM's capture-only "drafter"; the layers go in the draft hf_config (sorted, unique: vLLM
+    sorts them)."""
     return {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,  # the only value the extract proposer accepts
@@ -61,7 +62,8 @@ def kv_transfer_config(storage_dir: Path) -> dict[str, Any]:
 
 
 def extract_server_config(cfg: PipelineConfig, storage_dir: Path) -> PipelineConfig:
-    """The profile's serve settings plus the connector, no prefix caching, and our root on PYTHONPATH.
+    """The profile's serve settings plus the connector, no prefix caching, and our root on
+    PYTHONPATH.
 
     Prefix caching must be off: a cached prefix is not recomputed, so its hidden states would be
     missing (or stale) for the request. The server is always a child process of the extract stage:
@@ -72,8 +74,10 @@ def extract_server_config(cfg: PipelineConfig, storage_dir: Path) -> PipelineCon
     s = cfg.serve
     if s.backend == "external":
         raise ValueError(
-            "extract backend 'vllm' starts its own vLLM server with a KV connector, which an external server "
-            "(serve.backend=external) does not have: use extract.backend=hf, or run the pipeline with "
+            "extract backend 'vllm' starts its own vLLM server with a KV connector, "
+            "which an external server "
+            "(serve.backend=external) does not have: use extract.backend=hf, "
+            "or run the pipeline with "
             "serve.backend process or systemd on the machine with the GPUs"
         )
     extra = list(s.extra_args) + [

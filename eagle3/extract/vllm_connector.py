@@ -56,7 +56,8 @@ class Eagle3HiddenStatesMetadata(KVConnectorMetadata):
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-    """Rows of a [num_blocks, num_layers, block_size, H] buffer for one request -> [T, num_layers, H].
+    """Rows of a [num_blocks, num_layers, block_size, H] buffer for one request ->
+    [T, num_layers, H].
 
     Same slot arithmetic as CacheOnlyAttentionLayer's writer (``basic_cache``).
     """
@@ -90,7 +91,8 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         spec = vllm_config.speculative_config
         if spec is None or spec.method != "extract_hidden_states":
             raise ValueError(
-                "Eagle3HiddenStatesConnector needs speculative_config.method='extract_hidden_states'"
+                "Eagle3HiddenStatesConnector needs "
+                "speculative_config.method='extract_hidden_states'"
             )
         self._group_id = self._hidden_state_group(kv_cache_config)
         self._storage_path = str(
@@ -115,7 +117,8 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     @staticmethod
     def _hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
-        """Index of the KV cache group holding the hidden-states buffer (the target's layers are another)."""
+        """Index of the KV cache group holding the hidden-states buffer (the target's layers are
+        another)."""
         if kv_cache_config is None:
             return 0
         from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
@@ -131,7 +134,8 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_finished_count(self) -> int:
-        """Only TP rank 0 writes, so one ``finished_sending`` per request (the default waits for all ranks)."""
+        """Only TP rank 0 writes, so one ``finished_sending`` per request (the default waits for
+        all ranks)."""
         return 1
 
     # ---------------- worker side ----------------
@@ -170,13 +174,15 @@ class Eagle3HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        pass  # the CacheOnlyAttentionLayer already wrote the buffer; we read it when the request finishes
+        # the CacheOnlyAttentionLayer already wrote the buffer; we read it when the request finishes
+        pass
 
     def wait_for_save(self) -> None:
         pass
 
     def _save(self, pending: PendingSave) -> None:
-        """Copy the request's rows to host memory now (blocks are freed once we report), write later."""
+        """Copy the request's rows to host memory now (blocks are freed once we report), write
+        later."""
         assert self._cache is not None, "register_kv_caches was not called"
         with (
             gpu_sync_allowed()

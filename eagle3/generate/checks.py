@@ -81,8 +81,11 @@ class TokenCheck:
                 min(len(mine), len(record["prompt_token_ids"])),
             )
             raise TokenIdMismatch(
-                f"the server's prompt token ids for sample {record['id']} ({len(record['prompt_token_ids'])} ids) "
-                f"differ from the local tokenizer {self.source} + chat template ({len(mine)} ids) at position {at}: "
-                "extract and train would read them with the wrong meaning. Serve the target's own tokenizer, or "
+                f"the server's prompt token ids for sample {record['id']} "
+                f"({len(record['prompt_token_ids'])} ids) "
+                f"differ from the local tokenizer {self.source} + chat template ({len(mine)} ids) "
+                f"at position {at}: "
+                "extract and train would read them with the wrong meaning. "
+                "Serve the target's own tokenizer, or "
                 "point target.tokenizer at the served model's; nothing of this sample was stored"
             )

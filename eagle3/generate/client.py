@@ -43,7 +43,8 @@ class Exhausted(Exception):
 
 
 class BadResponse(Exception):
-    """A 200 whose body is not a JSON object: recorded as a failure of this sample (retried on rerun)."""
+    """A 200 whose body is not a JSON object: recorded as a failure of this sample (retried on
+    rerun)."""
 
 
 @dataclass
@@ -135,7 +136,8 @@ async def chat_request(
     request: dict[str, Any],
     policy: RetryPolicy,
 ) -> tuple[dict[str, Any], str, int, float]:
-    """POST one chat completion body with retries. Returns (response JSON, endpoint, attempts, latency of the last try).
+    """POST one chat completion body with retries. Returns (response JSON, endpoint, attempts,
+    latency of the last try).
 
     The raw JSON is kept (not the SDK's pydantic object): vLLM's extra fields
     (``prompt_token_ids``, ``token_ids``, ``reasoning``) are read as sent, and a million
@@ -156,7 +158,8 @@ async def chat_request(
                 body = json.loads(raw.content)
             except ValueError as e:
                 raise BadResponse(
-                    f"{ep.base_url}/v1/chat/completions answered {raw.status_code} with a body that is "
+                    f"{ep.base_url}/v1/chat/completions answered {raw.status_code} "
+                    "with a body that is "
                     f"not JSON ({e}): {raw.content[:120]!r}"
                 ) from None
             if not isinstance(body, dict):
@@ -168,9 +171,12 @@ async def chat_request(
         except openai.APIStatusError as e:
             if e.status_code in SETUP_STATUS:
                 raise EndpointError(
-                    f"{ep.base_url}/v1/chat/completions answered {e.status_code} ({_error_text(e)[:200]}): check the "
-                    "URL (serve.base_url / --base-url / generate.endpoints: the server's root, with or without /v1), "
-                    "target.served_model_name and serve.api_key; nothing was charged to the prompts, rerun after fixing"
+                    f"{ep.base_url}/v1/chat/completions answered {e.status_code} "
+                    f"({_error_text(e)[:200]}): check the "
+                    "URL (serve.base_url / --base-url / generate.endpoints: the server's root, "
+                    "with or without /v1), "
+                    "target.served_model_name and serve.api_key; "
+                    "nothing was charged to the prompts, rerun after fixing"
                 ) from None
             if e.status_code not in RETRYABLE_STATUS:
                 raise Rejected(e.status_code, _error_text(e)) from None

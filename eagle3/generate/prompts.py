@@ -200,7 +200,8 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | N
 
 
 def embedded_dataset_path(name: str) -> Path:
-    """The data file of ``embedded:<name>``, found in its installed package (as verify finds MT-bench)."""
+    """The data file of ``embedded:<name>``, found in its installed package (as verify finds
+    MT-bench)."""
     if name not in EMBEDDED_DATASETS:
         raise ValueError(
             f"unknown embedded dataset {EMBEDDED_PREFIX}{name}; "
@@ -256,9 +257,15 @@ class JsonArrayRecords(Sequence):
             except json.JSONDecodeError as e:
                 at = len(self.text[:pos].encode("utf-8"))
                 if self.text.rstrip().endswith("]"):
-                    self.error = f"malformed JSON in the record at byte {at}: {e.msg}; the records after it are lost"
+                    self.error = (
+                        f"malformed JSON in the record at byte {at}: {e.msg}; "
+                        "the records after it are lost"
+                    )
                 else:
-                    self.error = f"file cut off at byte {len(data)}: the last record (from byte {at}) is incomplete"
+                    self.error = (
+                        f"file cut off at byte {len(data)}: "
+                        f"the last record (from byte {at}) is incomplete"
+                    )
                 break
             self.spans.append((pos, end))
             pos = end
@@ -276,7 +283,8 @@ class JsonArrayRecords(Sequence):
 
 
 def open_rows(dataset: str, split: str = "train") -> tuple[Sequence[Any], str]:
-    """(indexable rows, fingerprint). Local jsonl and embedded datasets give (where, row, error) tuples."""
+    """(indexable rows, fingerprint). Local jsonl and embedded datasets give (where, row, error)
+    tuples."""
     if dataset.startswith(EMBEDDED_PREFIX):
         data = embedded_dataset_path(dataset[len(EMBEDDED_PREFIX) :]).read_bytes()
         return JsonArrayRecords(data, dataset), hashlib.sha256(data).hexdigest()[:16]
@@ -300,8 +308,10 @@ def open_rows(dataset: str, split: str = "train") -> tuple[Sequence[Any], str]:
             cause = e.__cause__ or e.__context__ or e
             first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
             raise InputDataError(
-                f"dataset file {path} cannot be read as {kind} ({type(cause).__name__}: {first}): fix it, or convert "
-                "it to .jsonl (one JSON object per line: a bad line is then skipped and recorded, the rest is used)"
+                f"dataset file {path} cannot be read as {kind} ({type(cause).__name__}: {first}): "
+                "fix it, or convert "
+                "it to .jsonl (one JSON object per line: a bad line is then skipped and recorded, "
+                "the rest is used)"
             ) from e
     else:
         ds = datasets.load_dataset(dataset, split=split)

@@ -20,7 +20,8 @@ from eagle3.generate.storage import is_permanent, iter_samples, latest_errors
 
 @dataclass
 class GenerateStatus:
-    """Where the generate folder stands against the configured prompt selection (no server needed)."""
+    """Where the generate folder stands against the configured prompt selection (no server
+    needed)."""
 
     key: str  # the folder's key (configuration only)
     out_dir: str

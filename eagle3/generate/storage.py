@@ -32,7 +32,8 @@ PERMANENT = {
     "rejected",
     "skipped",
 }  # the prompt is the problem; "failed" (the server was) is retried on rerun
-# Wrong URL / key, recorded as per-sample rejections before issue #16: a property of the setup, so retried.
+# Wrong URL / key, recorded as per-sample rejections before issue #16: a property of the setup,
+# so retried.
 _SETUP_STATUS = re.compile(r"rejected by server \((401|403|404)\)")
 
 
@@ -136,7 +137,8 @@ class ShardStore:
         open_shards = sorted(self.root.glob(f"samples-*.jsonl{OPEN_SUFFIX}"))
         if len(open_shards) > 1:
             raise RuntimeError(
-                f"{self.root}: more than one open shard {open_shards}; the folder was edited by hand"
+                f"{self.root}: more than one open shard {open_shards}; "
+                "the folder was edited by hand"
             )
         self.errors_path = self.root / "errors.jsonl"
         self._error_keys: set[tuple] = set()
@@ -177,7 +179,8 @@ class ShardStore:
             self._rotate()
 
     def add_error(self, record: dict[str, Any]) -> None:
-        """Append an error unless the same one is already recorded (reruns meet the same bad rows)."""
+        """Append an error unless the same one is already recorded (reruns meet the same bad
+        rows)."""
         key = _error_key(record)
         if key not in self._error_keys:
             self._error_keys.add(key)

@@ -36,9 +36,12 @@ def release_gpus(cfg: Any, stage: str, log: Callable[[str], None] = print) -> bo
         return False
     if not s.stop_running_unit:
         raise GPUsBusy(
-            f"{stage} needs the GPUs, but the systemd unit {s.unit} is {state} and holds them (it was running "
-            f"before this run, so the pipeline leaves it alone). Stop it first (sudo systemctl stop {s.unit}), "
-            f"or set serve.stop_running_unit=true to let the run stop it and start it again at the end."
+            f"{stage} needs the GPUs, but the systemd unit {s.unit} is {state} and holds them "
+            f"(it was running "
+            f"before this run, so the pipeline leaves it alone). "
+            f"Stop it first (sudo systemctl stop {s.unit}), "
+            f"or set serve.stop_running_unit=true "
+            f"to let the run stop it and start it again at the end."
         )
     log(
         f"{stage}: stopping systemd unit {s.unit} to free the GPUs (serve.stop_running_unit); "
@@ -52,9 +55,9 @@ def release_gpus(cfg: Any, stage: str, log: Callable[[str], None] = print) -> bo
 def units_restored(cfg: Any, log: Callable[[str], None] = print) -> Iterator[None]:
     """Start the target's unit again at the end if it ran at the start and a GPU stage stopped it.
 
-    Only with ``serve.stop_running_unit``: otherwise the pipeline never stops a unit it did not start.
-    Runs on failure too (``finally``). ``systemctl start`` returns once the unit is started, not once
-    the model is loaded."""
+    Only with ``serve.stop_running_unit``: otherwise the pipeline never stops a unit it did not
+    start. Runs on failure too (``finally``). ``systemctl start`` returns once the unit is started,
+    not once the model is loaded."""
     s = cfg.serve
     if (
         s.backend != "systemd"

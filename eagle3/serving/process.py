@@ -54,7 +54,8 @@ def group_members(pgid: int) -> list[int]:
 
 _live: weakref.WeakSet[ChildProcess] = weakref.WeakSet()
 PR_SET_PDEATHSIG = 1
-# Resolved here, not in the child: between fork and exec only this call may run (no imports, no locks).
+# Resolved here, not in the child: between fork and exec only this call may run (no imports,
+# no locks).
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 

@@ -44,8 +44,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def root_url(base_url: str) -> str:
-    """The server's root: ``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` (the OpenAI convention)
-    all mean the same server; ``/health`` lives at the root, the API under ``/v1``."""
+    """The server's root: ``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` (the OpenAI
+    convention) all mean the same server; ``/health`` lives at the root, the API under ``/v1``."""
     url = base_url.strip().rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
@@ -74,7 +74,8 @@ def probe(
     base_url: str, model: str | None, api_key: str | None = None, timeout: float = 5.0
 ) -> str | None:
     """None if ready, else a short reason (for the timeout message). Raises EndpointError on a
-    404/401/403, which waiting cannot fix (a wrong path used to wait out the whole ready timeout)."""
+    404/401/403, which waiting cannot fix (a wrong path used to wait out the whole ready
+    timeout)."""
     base_url = root_url(base_url)
     try:
         with httpx.Client(timeout=timeout, headers=auth_headers(api_key)) as c:
@@ -122,6 +123,7 @@ def wait_until_ready(
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
             raise ServerTimeoutError(
-                f"server at {base_url} not ready after {timeout_s:.0f} s (last check: {reason}){describe()}"
+                f"server at {base_url} not ready after {timeout_s:.0f} s "
+                f"(last check: {reason}){describe()}"
             )
         time.sleep(poll_interval_s)

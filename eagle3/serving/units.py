@@ -104,7 +104,7 @@ LimitMEMLOCK=infinity
 
 [Install]
 WantedBy=multi-user.target
-"""
+"""  # noqa: E501
 
 
 def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
@@ -180,7 +180,8 @@ def validate_unit(text: str, min_start_timeout_s: int = 0) -> list[str]:
         try:
             if _seconds(svc["TimeoutStartSec"][-1]) < min_start_timeout_s:
                 problems.append(
-                    f"TimeoutStartSec below {min_start_timeout_s} s: systemd would kill a loading model"
+                    f"TimeoutStartSec below {min_start_timeout_s} s: "
+                    "systemd would kill a loading model"
                 )
         except ValueError as e:
             problems.append(str(e))

@@ -1,4 +1,5 @@
-"""One optimizer step over this rank's micro-batches (the optimizer and the schedule: :mod:`eagle3.train.optim`).
+"""One optimizer step over this rank's micro-batches (the optimizer and the schedule:
+:mod:`eagle3.train.optim`).
 
 :func:`train_step` runs the reference (``eager``) step or the fast one
 (:mod:`eagle3.train.step_fast`), whichever the objective was built with."""

@@ -56,13 +56,16 @@ def comparable(prev: dict[str, Any], cur: dict[str, Any]) -> bool:
 
 
 def beat_ngram_reasons(versus: dict[str, Any] | None, ngram_reason: str | None = None) -> list[str]:
-    """Why the draft does not beat the n-gram baseline (``runner.versus_ngram``'s dict); [] if it does.
+    """Why the draft does not beat the n-gram baseline (``runner.versus_ngram``'s dict); [] if it
+    does.
 
-    Both must exceed the baseline's: the acceptance length (against vLLM's own n-gram figure, counted
-    over the steps where n-gram proposed: the stricter one) and the speedup at the lowest concurrency."""
+    Both must exceed the baseline's: the acceptance length (against vLLM's own n-gram figure,
+    counted over the steps where n-gram proposed: the stricter one) and the speedup at the lowest
+    concurrency."""
     if versus is None:
         return [
-            f"verify.require_beat_ngram: the n-gram baseline was not measured ({ngram_reason or 'unknown'})"
+            f"verify.require_beat_ngram: the n-gram baseline was not measured "
+            f"({ngram_reason or 'unknown'})"
         ]
     reasons = []
     d, n, c = versus["draft"], versus["ngram"], versus["concurrency"]
@@ -76,7 +79,8 @@ def beat_ngram_reasons(versus: dict[str, Any] | None, ngram_reason: str | None =
     ds, ns = d["speedup"], n["speedup"]
     if ds is None or ns is None or ds <= ns:
         reasons.append(
-            f"speedup at concurrency {c} x{_fmt(ds)} does not exceed the n-gram baseline's x{_fmt(ns)}"
+            f"speedup at concurrency {c} x{_fmt(ds)} "
+            f"does not exceed the n-gram baseline's x{_fmt(ns)}"
         )
     return reasons
 
@@ -121,7 +125,8 @@ def evaluate_gate(
         }
         if acceptance_length is not None and acceptance_length < floor:
             reasons.append(
-                f"acceptance length {acceptance_length:.3f} is more than {max_regression:.0%} below the "
+                f"acceptance length {acceptance_length:.3f} "
+                f"is more than {max_regression:.0%} below the "
                 f"last promoted draft's {prev['acceptance_length']:.3f} ({prev.get('draft')})"
             )
     else:
@@ -147,7 +152,8 @@ def evaluate_gate(
 
 
 def promote(draft_dir: Path, runs_dir: Path, profile: str, record: dict[str, Any]) -> Path:
-    """Copy ``draft_dir`` under promoted/<profile>/drafts/ and point ``latest`` at it (atomically)."""
+    """Copy ``draft_dir`` under promoted/<profile>/drafts/ and point ``latest`` at it
+    (atomically)."""
     root = promoted_dir(runs_dir, profile)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dest = root / "drafts" / f"{stamp}-{record.get('key', 'draft')}"

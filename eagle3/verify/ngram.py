@@ -129,7 +129,8 @@ def simulate_ngram(
 
     Run on a server's own outputs, ``proposing_chains`` and ``proposed_tokens`` are vLLM's
     ``num_drafts`` and ``num_draft_tokens`` exactly; its ``num_accepted_tokens`` lies in
-    [accepted_tokens, accepted_tokens + unchecked_tokens] (seen on vLLM 0.32 CPU: tests/test_verify.py)."""
+    [accepted_tokens, accepted_tokens + unchecked_tokens] (seen on vLLM 0.32 CPU:
+    tests/test_verify.py)."""
     from eagle3.verify.offline import summarize_chains
 
     accepted: list[int] = []
@@ -157,7 +158,8 @@ def simulate_ngram(
         "accepted_tokens": sum(accepted),
         "proposed_tokens": sum(proposed),
         # proposed tokens past the end of a sequence after a fully matching prefix: vLLM's accepted
-        # count may exceed accepted_tokens by up to this many (it verifies them, then cuts the output)
+        # count may exceed accepted_tokens by up to this many (it verifies them, then cuts the
+        # output)
         "unchecked_tokens": unchecked,
         "sequences": used,
         "k": k,
@@ -167,7 +169,8 @@ def simulate_ngram(
 
 
 def vllm_ngram_config(k: int, n_min: int = 1, n_max: int = 4) -> dict[str, Any]:
-    """The ``--speculative-config`` that serves this baseline in vLLM (works on vLLM CPU with -O0)."""
+    """The ``--speculative-config`` that serves this baseline in vLLM (works on vLLM CPU with
+    -O0)."""
     return {
         "method": "ngram",
         "num_speculative_tokens": k,

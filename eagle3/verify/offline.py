@@ -170,7 +170,8 @@ def offline_acceptance(
     on ``sequences`` = [(prompt_token_ids, greedy_output_token_ids)].
 
     ``ngram_lookup`` = (prompt_lookup_min, prompt_lookup_max): the result's ``ngram`` is the n-gram
-    baseline simulated on the same sequences (:func:`eagle3.verify.ngram.simulate_ngram`); None: skip."""
+    baseline simulated on the same sequences (:func:`eagle3.verify.ngram.simulate_ngram`); None:
+    skip."""
     from transformers import AutoModelForCausalLM
 
     from eagle3.target_checkpoint import checkpoint_dir
