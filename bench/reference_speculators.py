@@ -79,13 +79,14 @@ TTT steps / weights         3 / 1.0 each (``ttt_step_loss_decay``)      7 / 0.8*
 learning rate               1e-3 (both optimizer groups)                1e-4 (smollm2-cpu: 1e-3)
 optimizer                   Muon (lr 1e-3, momentum 0.95, wd 0.1) on    AdamW betas 0.9/0.95, wd 0,
                             the 2-D layer matrices + AdamW (lr 1e-3,    no decay on norms
-                            betas 0.9/0.999, wd 0.01) on the rest
+                            betas 0.9/0.999, wd 0.01) on the rest       (train.optimizer: muon = the left)
 schedule                    linear warmup (1% of steps) + linear decay  warmup (2%) + cosine to 0
+                                                                        (train.lr_schedule: linear)
 grad clip                   1.0                                         0.5
 lm_head                     target's lm_head rows of the draft vocab,   HEAD: random N(0, 0.02), trained
-                            FROZEN (never trained); final norm from 1   (work in progress: head_init
-                                                                        target, freeze_head option)
-norm_before_residual        True                                        False
+                            FROZEN (never trained); final norm from 1   (train.head_init: target +
+                                                                        train.freeze_head: also the norm)
+norm_before_residual        True                                        False (train.norm_before_residual)
 norm_before_fc/norm_output  True / True (off here, see above)           not in the model
 batch                       packed rows of 8192 tokens, 1 row per step  padded length buckets,
                                                                         token_budget 8192
