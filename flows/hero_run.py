@@ -329,12 +329,12 @@ def dry_run(params: HeroRunParams) -> dict[str, Any]:
     plan = build_plan(cfg)
     forced = stages.dependants(params.force) & set(params.stages)
     print(f"Dry run of profile {cfg.name} (run dir {cfg.paths.run_dir}); nothing is started.")
-    for name in ALL_STAGES:
-        what = (
-            ("recompute" if name in forced else "run, or reuse a complete cached artifact")
-            if name in params.stages
-            else "use the latest artifact"
-        )
+    read = _needed(set(params.stages)) | {"generate"}  # generate: always, its latest if left out
+    for name in stages.STAGES:
+        if name in params.stages:
+            what = "recompute" if name in forced else "run, or reuse a complete cached artifact"
+        else:
+            what = "use the latest artifact" if name in read else "skip (nothing selected reads it)"
         print(f"  {name:<8} {what}")
     for label, server in (
         ("serve", plan["stages"]["serve"]["server"]),

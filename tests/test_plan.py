@@ -188,6 +188,7 @@ def test_dry_run_of_the_hero_run(capsys):
         "nothing is started" in text
         and "verify   recompute" in text
         and "generate use the latest artifact" in text
+        and "extract  use the latest artifact" in text  # train reads it
     )
     assert "draft: llama" in text and all(c["status"] == "ok" for c in out["checks"]), text
     with pytest.raises(SystemExit, match="pre-flight check.* failed .*gpus"):
