@@ -370,8 +370,12 @@ def run_stage_cmd(
     cfg = load_profile(config, set_)
     if name not in STAGES:
         fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
-    given = dict(i.split("=", 1) for i in input_ or [])
-    dirs = {i: Path(given.get(i) or cfg.paths.stage_dir(i)) for i in STAGES[name].inputs}
+    inputs = STAGES[name].inputs
+    given = dict(i.split("=", 1) for i in input_ or [] if "=" in i)
+    bad = [i for i in input_ or [] if "=" not in i or i.split("=", 1)[0] not in inputs]
+    if bad:
+        fail(f"--input {bad[0]!r}: expected STAGE=FOLDER with STAGE one of {list(inputs)}")
+    dirs = {i: Path(given.get(i) or cfg.paths.stage_dir(i)) for i in inputs}
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
     except EmbeddedModelError:

@@ -273,10 +273,12 @@ def _later_stages(run: _Run, summary: dict[str, Any]) -> None:
     for name in list(stages.STAGES)[1:]:
         if name not in needed:
             continue
-        task, model_arg = TASKS.get(name, (stage_task.with_options(name=name), "model"))
-        kwargs = {model_arg: run.model} if model_arg else {}
-        if name not in TASKS:
-            kwargs["stage_name"] = name
+        if name in TASKS:
+            task, model_arg = TASKS[name]
+            kwargs = {model_arg: run.model} if model_arg else {}
+        else:
+            task = stage_task.with_options(name=name)
+            kwargs = {"model": run.model, "stage_name": name}
         run.calls[name] = run.stage(name, task, **kwargs)
     if "verify" in run.calls:
         summary["acceptance_length"] = run.calls["verify"].result.get("acceptance_length")

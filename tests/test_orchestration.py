@@ -226,6 +226,8 @@ def test_new_stage_runs_from_the_cli(tmp_path, monkeypatch):
     assert '{"said": "hello"}' in res.output
     bad = CliRunner().invoke(app, ["run-stage", "nope", "-c", str(CPU_PROFILE)])
     assert bad.exit_code != 0 and "unknown stage 'nope'" in bad.output
+    wrong = CliRunner().invoke(app, [*argv, "--input", "vocab=/tmp"])  # hello reads nothing
+    assert wrong.exit_code != 0 and "--input 'vocab=/tmp': expected STAGE=FOLDER" in wrong.output
 
 
 # ---------------------------------------------------------------------------

@@ -296,12 +296,11 @@ class _Run:
         }
         self.reuse = Reuse(cfg, reuse_from)
         self.computed_tokens = 0
-        self.total = gen_manifest["totals"]["samples"]
+        self.total = gen_manifest["totals"]["samples"] + e.dataset_answers
         self.started = time.time()
         for where, reason in unreadable:
             self.errors.record(None, f"{where}: {reason}", where)
         self.answer_stats: Counter = Counter()
-        self.total += e.dataset_answers
 
     def _progress(self) -> None:
         if self.on_progress:

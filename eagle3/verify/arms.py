@@ -61,21 +61,17 @@ def ngram_server(cfg: Any, model: str, spec: dict[str, Any], log_dir: Path) -> S
     s = cfg.serve
     v = cfg.verify
     flag = f"--speculative-config '{json.dumps(spec)}'"
-    if s.backend == "external":
-        if not v.ngram_base_url:
-            return (
-                "serve.backend external: no verify.ngram_base_url "
-                f"(a server running the target with {flag})"
-            )
-        serve = s.model_copy(update={"base_url": v.ngram_base_url})
-        return start_server(cfg.model_copy(update={"serve": serve}), model)
-    if s.backend == "systemd":
-        if not v.ngram_unit:
-            return (
-                "serve.backend systemd: no verify.ngram_unit "
-                f"(a unit whose ExecStart carries {flag})"
-            )
-        serve = s.model_copy(update={"unit": v.ngram_unit})
+    # backends that start no process: the n-gram server's own address or unit
+    where = {
+        "external": ("base_url", "ngram_base_url", "a server running the target with"),
+        "systemd": ("unit", "ngram_unit", "a unit whose ExecStart carries"),
+    }
+    if s.backend in where:
+        field, setting, what = where[s.backend]
+        value = getattr(v, setting)
+        if not value:
+            return f"serve.backend {s.backend}: no verify.{setting} ({what} {flag})"
+        serve = s.model_copy(update={field: value})
         return start_server(cfg.model_copy(update={"serve": serve}), model)
     return start_server(cfg, model, speculative_config=spec, log_dir=log_dir)
 
