@@ -23,3 +23,36 @@ def token_budget_batches(lengths: list[int], token_budget: int) -> list[list[int
     if cur:
         batches.append(cur)
     return batches
+
+
+def shuffled_budget_batches(
+    lengths: list[int], token_budget: int, seed: int, window: int = 64
+) -> list[list[int]]:
+    """Batches whose composition changes with ``seed`` (one seed per epoch), padding still small.
+
+    :func:`token_budget_batches` over all samples gives the same batches every epoch (only their
+    order changes): the same few samples of one length are always averaged together. Here a seeded
+    permutation of the samples is cut into windows of about ``window`` batches' worth of tokens,
+    each window is length-bucketed on its own, and all batches are shuffled: every epoch sees new
+    mixtures (as a packed row of random documents does) at a padding cost close to the sorted one.
+    """
+    import random
+
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches: list[list[int]] = []
+    chunk: list[int] = []
+    tokens = 0
+    for i in order + [-1]:
+        if i < 0 or (chunk and tokens + lengths[i] > window * token_budget):
+            batches += [
+                [chunk[j] for j in b]
+                for b in token_budget_batches([lengths[j] for j in chunk], token_budget)
+            ]
+            chunk, tokens = [], 0
+        if i >= 0:
+            chunk.append(i)
+            tokens += lengths[i]
+    rng.shuffle(batches)
+    return batches

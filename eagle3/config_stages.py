@@ -166,6 +166,19 @@ class TrainConfig(_Section):
     ttt_steps: int = Field(7, ge=1)
     ttt_decay: float = Field(0.8, gt=0, le=1)
     token_budget: int = Field(8192, gt=0)
+    batching: Literal["fixed", "shuffled"] = Field(
+        "fixed",
+        description="fixed: all samples sorted by length and cut into batches once, the same "
+        "batches every epoch in a new order; shuffled: new batches every epoch (a seeded "
+        "permutation, length-bucketed within windows of 64 batches' worth of tokens).",
+    )
+    data_on_device: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Keep every stored sample in the training device's memory and gather "
+        "batches there (eagle3/train/device_data.py). auto: on CUDA when the states take at "
+        "most 35% of free memory.",
+        json_schema_extra=UNKEYED,
+    )
     max_seq_len: int = Field(2048, gt=0)
     seed: int = 0
     draft_arch: Literal["auto", "llama", "mla"] = Field(

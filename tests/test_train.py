@@ -368,3 +368,64 @@ def test_head_from_target_frozen_and_noise(setup):
     )
     learnt = load_file(str(Path(moved["export"]) / "model.safetensors"))["lm_head.weight"]
     assert not torch.equal(learnt, stored)  # not frozen: it learns from the target's rows
+
+
+def test_device_data_batches_equal_shard_batches(setup):
+    """train.data_on_device: the batch gathered from the samples held in (device) memory is the
+    batch read per sample from the shards, value for value, padding included. (On the CPU here;
+    the GPU path is the same gather on another device: bench/quality.py runs it on the H200.)"""
+    from eagle3.extract.storage import HiddenStateDataset
+    from eagle3.train.batch import make_batch_fast
+    from eagle3.train.device_data import DeviceData, fits, make_batch_device
+    from eagle3.vocab import load_vocab
+
+    _, target, _, ext, vocab = setup
+    ds = HiddenStateDataset(ext, dtype=torch.float32)
+    head = load_target_head(target, load_vocab(vocab).draft_ids, 1e-5)
+    data = DeviceData.load(ds, torch.device("cpu"))
+    assert not fits(ds, torch.device("cpu"))  # auto: CUDA only
+    for idx, max_len in (([3, 0, 17, 9], 64), ([30, 31], 25), ([5], 64)):
+        a = make_batch_fast([ds[i] for i in idx], head, torch.device("cpu"), max_len)
+        b = make_batch_device(data, idx, head, max_len)
+        for name in ("input_ids", "aux", "probs", "target_arg", "target_ok"):
+            torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=0, atol=0)
+
+
+def test_shuffled_batching_new_batches_every_epoch():
+    from eagle3.batching import shuffled_budget_batches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 300, (500,), generator=g).tolist()
+    e0 = shuffled_budget_batches(lengths, 1024, seed=0)
+    e1 = shuffled_budget_batches(lengths, 1024, seed=1)
+    for batches in (e0, e1):
+        assert sorted(i for b in batches for i in b) == list(range(500))  # each sample once
+        assert all(len(b) * max(lengths[i] for i in b) <= 1024 for b in batches)
+        padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+        assert sum(lengths) / padded > 0.85  # length-bucketed within windows: little padding
+    assert {frozenset(b) for b in e0} != {frozenset(b) for b in e1}
+    assert shuffled_budget_batches(lengths, 1024, seed=0) == e0  # seeded: resumable
+
+
+def test_data_on_device_and_shuffled_batching_train_and_resume(setup):
+    """Training from the samples held in memory gives the weights that reading the shards gives;
+    shuffled batching resumes exactly mid-epoch (its batches are a function of seed and epoch)."""
+    tmp, target, _, ext, vocab = setup
+    runs = {}
+    for name, extra in (("off", {"data_on_device": "off"}), ("on", {"data_on_device": "on"})):
+        cfg = make_cfg(epochs=2, batching="shuffled", checkpoint_every_steps=2, **extra)
+        runs[name] = train(cfg, ext, vocab, target, tmp / f"run-dev-{name}")
+    assert runs["on"]["steps"] == runs["off"]["steps"]
+    a = load_file(str(tmp / "run-dev-off" / "checkpoints" / "latest" / "model.safetensors"))
+    b = load_file(str(tmp / "run-dev-on" / "checkpoints" / "latest" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
+    cfg = make_cfg(epochs=2, batching="shuffled", checkpoint_every_steps=2, data_on_device="on")
+    half = runs["on"]["steps"] // 2 + 1
+    part = train(cfg, ext, vocab, target, tmp / "run-dev-resume", max_steps=half)
+    assert part["complete"] is False
+    rest = train(cfg, ext, vocab, target, tmp / "run-dev-resume")
+    assert rest["resumed_from_step"] == half and rest["steps"] == runs["on"]["steps"]
+    c = load_file(str(tmp / "run-dev-resume" / "checkpoints" / "latest" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(c[k], b[k], atol=1e-6, rtol=1e-6)

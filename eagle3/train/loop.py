@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3.atomic import write_json_atomic
+from eagle3.batching import shuffled_budget_batches
 from eagle3.draft import DraftModel, build_draft
 from eagle3.errors import MissingSamples
 from eagle3.extract.storage import HiddenStateDataset
@@ -31,6 +32,7 @@ from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
 from eagle3.train.batch import add_feature_noise, make_batch, make_batch_fast, zero_weight
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
+from eagle3.train.device_data import DeviceData, fits, make_batch_device
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
 from eagle3.train.metrics import epoch_metrics, write_metrics
 from eagle3.train.optim import lr_at, make_optimizer
@@ -104,6 +106,7 @@ class Run:
     ckpt: Path
     extra: dict[str, Any]  # what state.json carries besides the state
     impl: str = "eager"  # the TTT step (train.step_impl resolved)
+    data: DeviceData | None = None  # every sample on the device (train.data_on_device)
 
     def save(self, state: TrainState) -> None:
         save_checkpoint(
@@ -277,9 +280,13 @@ def set_up(
     fused = impl == "fast" and dev.type == "cuda" and d.mode != "fsdp"
     opt = make_optimizer(model, tc.lr, tc.weight_decay, fused, tc.optimizer, tc.muon_weight_decay)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    per_epoch = len(epoch_batches(ds, tc.token_budget, tc.seed, 0))
     group = d.world * tc.grad_accum
-    total_steps = math.ceil(per_epoch / group) * tc.epochs
+    total_steps = sum(
+        math.ceil(len(epoch_batches(ds, tc.token_budget, tc.seed, e, tc.batching)) / group)
+        for e in range(tc.epochs)
+    )
+    on_device = tc.data_on_device == "on" or (tc.data_on_device == "auto" and fits(ds, dev))
+    data = DeviceData.load(ds, dev) if on_device else None
     extra = {
         "total_steps": total_steps,
         "global_batches": group,
@@ -303,6 +310,7 @@ def set_up(
         out_dir / "checkpoints" / "latest",
         extra,
         impl,
+        data,
     )
 
 
@@ -322,9 +330,13 @@ def resume_from(run: Run) -> TrainState:
 
 
 def epoch_batches(
-    ds: HiddenStateDataset, token_budget: int, seed: int, epoch: int
+    ds: HiddenStateDataset, token_budget: int, seed: int, epoch: int, batching: str = "fixed"
 ) -> list[list[int]]:
-    """The epoch's batches (sample indices), length-bucketed and shuffled by (seed, epoch)."""
+    """The epoch's batches (sample indices), length-bucketed and shuffled by (seed, epoch):
+    the same batches every epoch (``fixed``) or new ones (``shuffled``, train.batching)."""
+    if batching == "shuffled":
+        lengths = [ds.length(i) for i in range(len(ds))]
+        return shuffled_budget_batches(lengths, token_budget, seed * 100003 + epoch)
     return list(ds.batches(token_budget, shuffle=True, seed=seed * 100003 + epoch))
 
 
@@ -343,7 +355,7 @@ def run_epochs(
     run.model.train()
     queue = StepQueue(state, run.total_steps, on_progress if d.main else None)
     while state.epoch < tc.epochs:
-        batches = epoch_batches(run.ds, tc.token_budget, tc.seed, state.epoch)
+        batches = epoch_batches(run.ds, tc.token_budget, tc.seed, state.epoch, tc.batching)
         while state.batch_in_epoch < len(batches):
             if max_steps is not None and state.step >= max_steps:
                 queue.settle()
@@ -378,17 +390,14 @@ def optimizer_step(
     run: Run, step_batches: list[list[int]], lr: float, autocast: Any
 ) -> StepResult | PendingStep:
     """One step on the global batch ``step_batches``: this rank's share of it, at rate ``lr``."""
-    tc, d, ds = run.cfg.train, run.d, run.ds
+    tc, d = run.cfg.train, run.d
     mine = step_batches[d.rank :: d.world]  # up to grad_accum batches of this rank
-    build = make_batch_fast if run.impl == "fast" else make_batch
-    micro = [build([ds[i] for i in idx], run.head, run.dev, tc.max_seq_len) for idx in mine]
+    micro = [batch_of(run, idx) for idx in mine]
     if tc.feature_noise > 0:
         for b in micro:
             add_feature_noise(b, tc.feature_noise)
     if not micro:  # the epoch's short last group: join the all-reduce with nothing counted
-        micro = [
-            zero_weight(build([ds[i] for i in step_batches[0]], run.head, run.dev, tc.max_seq_len))
-        ]
+        micro = [zero_weight(batch_of(run, step_batches[0]))]
     for g in run.opt.param_groups:
         g["lr"] = lr
     return train_step_async(
@@ -402,6 +411,16 @@ def optimizer_step(
         tc.grad_clip,
         autocast,
     )
+
+
+def batch_of(run: Run, idx: list[int]) -> Any:
+    """The padded batch of samples ``idx``: gathered on the device when the data lives there,
+    else read per sample from the shards (the fast step's pinned copy, or the eager step's)."""
+    max_len = run.cfg.train.max_seq_len
+    if run.data is not None:
+        return make_batch_device(run.data, idx, run.head, max_len)
+    build = make_batch_fast if run.impl == "fast" else make_batch
+    return build([run.ds[i] for i in idx], run.head, run.dev, max_len)
 
 
 def export(run: Run, vocab: VocabMapping, state: TrainState, export_dir: Path) -> Path:
