@@ -25,6 +25,7 @@ needs what the target emits, which either gives.
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -502,6 +503,8 @@ def cmd_run(a) -> None:
             "final": m["final"],
             "tokens": m["final"]["tokens"] if m["final"] else None,
             "device": device,
+            "loop_s": m.get("loop_s"),
+            "data_on_device": m.get("data_on_device"),
         }
         for name, ex in evals.items():
             row[name] = evaluate(ed / "train" / "vllm-draft", ex, target, a.k, device)
@@ -511,6 +514,10 @@ def cmd_run(a) -> None:
         print(json.dumps({k_: v for k_, v in row.items() if k_ not in ("final",)}), flush=True)
         if a.keep_draft != exp["name"]:
             shutil.rmtree(ed / "train" / "checkpoints", ignore_errors=True)
+        del m
+        gc.collect()  # the run's device-resident data (train.data_on_device) goes now
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def cmd_extract(a) -> None:

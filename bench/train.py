@@ -140,6 +140,9 @@ def build(args: argparse.Namespace, dev: torch.device) -> tuple:
     torch.manual_seed(0)
     with torch.device(dev):
         model = cls(cfg)
+    if args.freeze_head:  # as the train stage does with train.freeze_head
+        for p in (*model.lm_head.parameters(), *model.norm.parameters()):
+            p.requires_grad_(False)
     hold_frozen_bf16(model, dev)
     h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
     head_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -171,6 +174,14 @@ def parse() -> argparse.Namespace:
         "--impl", choices=["auto", "eager", "fast"], default="auto", help="train.step_impl"
     )
     ap.add_argument("--profile", action="store_true", help="torch.profiler top kernels")
+    ap.add_argument(
+        "--optimizer", choices=["adamw", "muon"], default="adamw", help="train.optimizer"
+    )
+    ap.add_argument(
+        "--freeze-head",
+        action="store_true",
+        help="train.freeze_head: lm_head and the final norm fixed (held in bf16 on CUDA)",
+    )
     ap.add_argument(
         "--compile", action="store_true", help="torch.compile the norms, MLP and loss math"
     )
@@ -229,7 +240,8 @@ def main() -> None:
     say(
         f"draft ({args.arch}): {'Kimi-K2.5' if args.kimi else 'SmolLM2-135M'} dims H "
         f"{cfg.hidden_size}, {heads}, I {cfg.intermediate_size}, V {cfg.vocab_size}, D "
-        f"{cfg.draft_vocab_size}; batch {batch} x seq {seq}, TTT {ttt}; step {impl}"
+        f"{cfg.draft_vocab_size}; batch {batch} x seq {seq}, TTT {ttt}; step {impl}; "
+        f"{args.optimizer}{', frozen head' if args.freeze_head else ''}"
     )
     if multi:
         say(
@@ -243,7 +255,7 @@ def main() -> None:
         compile_step(model)
     net = wrap_for_training(model, dist_info, dev, ttt, 0.8, impl)
     fused = impl == "fast" and dev.type == "cuda" and not args.fsdp  # as the train stage
-    opt = make_optimizer(model, 1e-4, 0.0, fused=fused)
+    opt = make_optimizer(model, 1e-4, 0.0, fused=fused, kind=args.optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     state_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     h, v = cfg.hidden_size, cfg.vocab_size
@@ -315,7 +327,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
     tokens = r["batch"] * r["seq"] * r["accum"]  # this rank's, per step
     tok_s = tokens / dt
     trainable = sum(p.numel() for p in r["params"])  # FSDP: DTensor numel is the whole tensor's
-    flops = flops_per_token(cfg, layer_params(r["model"]), r["seq"], r["ttt"])
+    flops = flops_per_token(cfg, layer_params(r["model"]), r["seq"], r["ttt"], not args.freeze_head)
     cuda = dev.type == "cuda"
     peak = (
         torch.cuda.max_memory_allocated()

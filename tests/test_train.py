@@ -416,6 +416,8 @@ def test_data_on_device_and_shuffled_batching_train_and_resume(setup):
         cfg = make_cfg(epochs=2, batching="shuffled", checkpoint_every_steps=2, **extra)
         runs[name] = train(cfg, ext, vocab, target, tmp / f"run-dev-{name}")
     assert runs["on"]["steps"] == runs["off"]["steps"]
+    assert runs["on"]["data_on_device"]["on"] and not runs["off"]["data_on_device"]["on"]
+    assert runs["on"]["loop_s"] > 0
     a = load_file(str(tmp / "run-dev-off" / "checkpoints" / "latest" / "model.safetensors"))
     b = load_file(str(tmp / "run-dev-on" / "checkpoints" / "latest" / "model.safetensors"))
     for k in a:

@@ -144,6 +144,7 @@ def _train(
         state = resume_from(run)
         resumed_from = state.step
 
+    loop_started = time.time()
     if not run_epochs(run, state, out_dir, max_steps, on_progress):
         run.save(state)
         if d.world > 1:
@@ -156,6 +157,7 @@ def _train(
             "checkpoint": str(run.ckpt),
         }
 
+    loop_s = round(time.time() - loop_started, 2)  # the steps alone (no setup, no export)
     check_finite(state, extract_dir)
     export_dir = export(run, vocab, state, out_dir / "vllm-draft")
     tc = cfg.train
@@ -182,6 +184,8 @@ def _train(
             "grad_accum": tc.grad_accum,
             "batches_per_step": run.group,
         },
+        "data_on_device": run.extra["data_on_device"],
+        "loop_s": loop_s,
         "wall_s": round(time.time() - started, 2),
     }
     if d.main:
@@ -286,11 +290,14 @@ def set_up(
         for e in range(tc.epochs)
     )
     on_device = tc.data_on_device == "on" or (tc.data_on_device == "auto" and fits(ds, dev))
+    t0 = time.time()
     data = DeviceData.load(ds, dev) if on_device else None
+    load_s = round(time.time() - t0, 2)
     extra = {
         "total_steps": total_steps,
         "global_batches": group,
         "world_size": d.world,
+        "data_on_device": {"on": data is not None, "load_s": load_s},
         "train_config": tc.model_dump(mode="json"),
         "draft_config": model.config.to_dict(),
     }
