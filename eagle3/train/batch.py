@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from eagle3.batching import shuffled_budget_batches
 from eagle3.train.target import TargetHead, target_distribution
 
 
@@ -112,3 +113,14 @@ def step_inputs(
         shift_left(batch.target_arg, k, -1),
         shift_left(batch.target_ok, k, False),
     )
+
+
+def epoch_batches(
+    ds: Any, token_budget: int, seed: int, epoch: int, batching: str = "fixed"
+) -> list[list[int]]:
+    """The epoch's batches (sample indices), length-bucketed and shuffled by (seed, epoch):
+    the same batches every epoch (``fixed``) or new ones (``shuffled``, train.batching)."""
+    if batching == "shuffled":
+        lengths = [ds.length(i) for i in range(len(ds))]
+        return shuffled_budget_batches(lengths, token_budget, seed * 100003 + epoch)
+    return list(ds.batches(token_budget, shuffle=True, seed=seed * 100003 + epoch))

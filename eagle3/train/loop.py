@@ -24,13 +24,18 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3.atomic import write_json_atomic
-from eagle3.batching import shuffled_budget_batches
 from eagle3.draft import DraftModel, build_draft
 from eagle3.errors import MissingSamples
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
-from eagle3.train.batch import add_feature_noise, make_batch, make_batch_fast, zero_weight
+from eagle3.train.batch import (
+    add_feature_noise,
+    epoch_batches,
+    make_batch,
+    make_batch_fast,
+    zero_weight,
+)
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
 from eagle3.train.device_data import DeviceData, fits, make_batch_device
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
@@ -334,17 +339,6 @@ def resume_from(run: Run) -> TrainState:
             f"train.grad_accum = {meta.get('global_batches', 1)}, this one has {run.group})"
         )
     return state
-
-
-def epoch_batches(
-    ds: HiddenStateDataset, token_budget: int, seed: int, epoch: int, batching: str = "fixed"
-) -> list[list[int]]:
-    """The epoch's batches (sample indices), length-bucketed and shuffled by (seed, epoch):
-    the same batches every epoch (``fixed``) or new ones (``shuffled``, train.batching)."""
-    if batching == "shuffled":
-        lengths = [ds.length(i) for i in range(len(ds))]
-        return shuffled_budget_batches(lengths, token_budget, seed * 100003 + epoch)
-    return list(ds.batches(token_budget, shuffle=True, seed=seed * 100003 + epoch))
 
 
 def run_epochs(
