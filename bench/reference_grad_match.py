@@ -78,10 +78,8 @@ def main() -> None:
             loss_config=loss_config,
         )
         ref_loss.backward()
-        batch = make_batch([s], head, torch.device("cpu"), n)
-        if a.positions == "input":  # ok[u]: the target at u counts iff token u carries the loss
-            batch.target_ok = mask[None].clone()
-            batch.target_ok[:, 0] = False
+        positions = "input" if a.positions == "input" else "predicted"  # train.loss_positions
+        batch = make_batch([s], head, torch.device("cpu"), n, positions=positions)
         loss, _ = fast_ttt_loss(ours, batch, a.ttt, 1.0)
         loss.backward()
         print(

@@ -188,15 +188,24 @@ class TrainConfig(_Section):
         "else llama.",
     )
     # Recipe knobs (docs/train.md, "Draft quality"): what the draft starts from and sees.
-    head_init: Literal["random", "target"] = Field(
+    head_init: Literal["random", "target", "target_lm_head"] = Field(
         "random",
         description="random: N(0, 0.02) and ones; target: lm_head rows = the target's lm_head rows "
         "of the draft vocab and the final norm = the target's (needs draft hidden == target "
-        "hidden). Measured worse at small scale (docs/train.md, Draft quality), so random stays "
-        "the default.",
+        "hidden); target_lm_head: the target's lm_head rows, the final norm at 1 "
+        "(speculators'). Measured worse at small scale (docs/train.md, Draft quality), so "
+        "random stays the default.",
     )
     freeze_head: bool = Field(
-        False, description="Keep lm_head (and the final norm) fixed at their init."
+        False,
+        description="Keep lm_head (and the final norm, except under head_init=target_lm_head) "
+        "fixed at their init.",
+    )
+    loss_positions: Literal["predicted", "input"] = Field(
+        "predicted",
+        description="Which positions the loss counts. predicted: the predicted token carries "
+        "the loss mask and the target's argmax is in the draft vocab; input: the input token "
+        "carries it (speculators'; one position later per answer).",
     )
     norm_before_residual: bool = Field(
         False,

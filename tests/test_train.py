@@ -368,6 +368,17 @@ def test_head_from_target_frozen_and_noise(setup):
     )
     learnt = load_file(str(Path(moved["export"]) / "model.safetensors"))["lm_head.weight"]
     assert not torch.equal(learnt, stored)  # not frozen: it learns from the target's rows
+    # speculators' head: the target's lm_head rows, frozen, under a final norm of its own from 1
+    own = train(
+        make_cfg(epochs=1, head_init="target_lm_head", freeze_head=True),
+        ext,
+        vocab,
+        target,
+        tmp / "run-head-own-norm",
+    )
+    weights = load_file(str(Path(own["export"]) / "model.safetensors"))
+    assert torch.equal(weights["lm_head.weight"], stored)
+    assert not torch.allclose(weights["norm.weight"].float(), torch.ones(H))  # it trained
 
 
 def test_device_data_batches_equal_shard_batches(setup):
@@ -384,11 +395,24 @@ def test_device_data_batches_equal_shard_batches(setup):
     head = load_target_head(target, load_vocab(vocab).draft_ids, 1e-5)
     data = DeviceData.load(ds, torch.device("cpu"))
     assert not fits(ds, torch.device("cpu"))  # auto: CUDA only
-    for idx, max_len in (([3, 0, 17, 9], 64), ([30, 31], 25), ([5], 64)):
-        a = make_batch_fast([ds[i] for i in idx], head, torch.device("cpu"), max_len)
-        b = make_batch_device(data, idx, head, max_len)
-        for name in ("input_ids", "aux", "probs", "target_arg", "target_ok"):
-            torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=0, atol=0)
+    cpu = torch.device("cpu")
+    for positions in ("predicted", "input"):
+        for idx, max_len in (([3, 0, 17, 9], 64), ([30, 31], 25), ([5], 64)):
+            samples = [ds[i] for i in idx]
+            a = make_batch_fast(samples, head, cpu, max_len, positions=positions)
+            b = make_batch_device(data, idx, head, max_len, positions=positions)
+            c = make_batch(samples, head, cpu, max_len, positions=positions)
+            for name in ("input_ids", "aux", "probs", "target_arg", "target_ok"):
+                torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=0, atol=0)
+                if name != "probs":  # the eager batch leaves padding rows' distribution at 0
+                    torch.testing.assert_close(getattr(c, name), getattr(a, name))
+            valid = a.target_arg >= 0
+            torch.testing.assert_close(c.probs[valid], a.probs[valid])
+            if positions == "input":  # speculators': the input token's mask, one position later
+                for j, s in enumerate(samples):
+                    n = min(len(s), max_len)
+                    assert torch.equal(c.target_ok[j, 1:n], s.loss_mask[1:n].bool())
+                    assert not c.target_ok[j, 0] and not c.target_ok[j, n:].any()
 
 
 def test_shuffled_batching_new_batches_every_epoch():

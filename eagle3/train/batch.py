@@ -21,8 +21,33 @@ class Batch:
     target_ok: torch.Tensor  # [B, L] bool: the target at u is counted (u+1 < len, m[u+1], in vocab)
 
 
+def counted_positions(
+    mask: torch.Tensor, arg: torch.Tensor, valid: torch.Tensor, positions: str = "predicted"
+) -> torch.Tensor:
+    """``target_ok`` [B, L]: the target at u (the distribution of token u+1) counts in the loss.
+
+    ``predicted`` (ours): token u+1, the one predicted, carries the loss mask and the target's
+    full-vocab argmax there is in the draft vocab. ``input`` (speculators'): token u carries it,
+    with no vocab condition: one position later per answer (it skips predicting an answer's first
+    token and predicts the token after its last), the positions bench/reference_grad_match.py
+    compares gradients at."""
+    ok = torch.zeros_like(mask)
+    if positions == "input":
+        ok[:, 1:] = mask[:, 1:] & valid[:, 1:]
+    elif positions == "predicted":
+        ok[:, :-1] = mask[:, 1:] & (arg[:, :-1] >= 0)
+    else:
+        raise ValueError(f"unknown loss positions {positions!r} (predicted or input)")
+    return ok
+
+
 def make_batch(
-    samples: list, head: TargetHead, device: torch.device, max_seq_len: int, chunk: int = 256
+    samples: list,
+    head: TargetHead,
+    device: torch.device,
+    max_seq_len: int,
+    chunk: int = 256,
+    positions: str = "predicted",
 ) -> Batch:
     """Pad samples (right) to the longest; target distributions computed per sample, chunked."""
     samples = [s for s in samples]
@@ -33,19 +58,25 @@ def make_batch(
     aux = torch.zeros(b, L, samples[0].aux.shape[-1], dtype=torch.float32, device=device)
     probs = torch.zeros(b, L, d, dtype=torch.float32, device=device)
     arg = torch.full((b, L), -1, dtype=torch.int64, device=device)
-    ok = torch.zeros(b, L, dtype=torch.bool, device=device)
+    mask = torch.zeros(b, L, dtype=torch.bool, device=device)
+    valid = torch.zeros(b, L, dtype=torch.bool, device=device)
     for j, (s, n) in enumerate(zip(samples, lens)):
         ids[j, :n] = s.input_ids[:n].to(device)
         aux[j, :n] = s.aux[:n].to(device, torch.float32)
         p, a = target_distribution(s.final[:n].to(device), head, chunk)
         probs[j, :n], arg[j, :n] = p, a
-        m = s.loss_mask[:n].to(device).bool()
-        ok[j, : n - 1] = m[1:n] & (a[: n - 1] >= 0)  # target at u counts iff token u+1 carries loss
-    return Batch(ids, aux, probs, arg, ok)
+        mask[j, :n] = s.loss_mask[:n].to(device).bool()
+        valid[j, :n] = True
+    return Batch(ids, aux, probs, arg, counted_positions(mask, arg, valid, positions))
 
 
 def make_batch_fast(
-    samples: list, head: TargetHead, device: torch.device, max_seq_len: int, chunk: int = 1024
+    samples: list,
+    head: TargetHead,
+    device: torch.device,
+    max_seq_len: int,
+    chunk: int = 1024,
+    positions: str = "predicted",
 ) -> Batch:
     """:func:`make_batch` for the fast step: padded on the host (pinned on CUDA), copied once
     without blocking, the target distribution of all rows in one chunked pass, no host sync.
@@ -74,9 +105,7 @@ def make_batch_fast(
     aux = aux.to(torch.bfloat16 if cuda else torch.float32)
     p, a = target_distribution(final.view(b * L, -1), head, chunk)
     arg = torch.where(valid, a.view(b, L), -1)
-    ok = torch.zeros(b, L, dtype=torch.bool, device=device)
-    ok[:, :-1] = mask[:, 1:] & (arg[:, :-1] >= 0)
-    return Batch(ids, aux, p.view(b, L, -1), arg, ok)
+    return Batch(ids, aux, p.view(b, L, -1), arg, counted_positions(mask, arg, valid, positions))
 
 
 def add_feature_noise(batch: Batch, std: float) -> None:

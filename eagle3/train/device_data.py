@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.extract.storage import HiddenStateDataset, dequantize_fp8
-from eagle3.train.batch import Batch
+from eagle3.train.batch import Batch, counted_positions
 from eagle3.train.target import TargetHead, target_distribution
 
 #: the share of free device memory the states may take under ``data_on_device: auto``
@@ -99,7 +99,12 @@ class DeviceData:
 
 
 def make_batch_device(
-    data: DeviceData, idx: list[int], head: TargetHead, max_seq_len: int, chunk: int = 1024
+    data: DeviceData,
+    idx: list[int],
+    head: TargetHead,
+    max_seq_len: int,
+    chunk: int = 1024,
+    positions: str = "predicted",
 ) -> Batch:
     """:func:`eagle3.train.batch.make_batch_fast`'s batch (same padding, same values) gathered
     from :class:`DeviceData`: one index [B, L] built on the host, one gather per tensor."""
@@ -120,9 +125,7 @@ def make_batch_device(
     final = data.final[rows] * valid[..., None]
     p, a = target_distribution(final.view(b * L, -1), head, chunk)
     arg = torch.where(valid, a.view(b, L), -1)
-    ok = torch.zeros(b, L, dtype=torch.bool, device=dev)
-    ok[:, :-1] = mask[:, 1:] & (arg[:, :-1] >= 0)
-    return Batch(ids, aux, p.view(b, L, -1), arg, ok)
+    return Batch(ids, aux, p.view(b, L, -1), arg, counted_positions(mask, arg, valid, positions))
 
 
 __all__ = ["AUTO_SHARE", "DeviceData", "fits", "make_batch_device", "stored_bytes"]

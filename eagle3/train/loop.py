@@ -252,10 +252,11 @@ def build_model(
             f"stored aux width {ds[0].aux.shape[-1]} != "
             f"{len(aux_layers)} x {dcfg.target_hidden_size}"
         )
-    if tc.head_init == "target":
-        init_head_from_target(model, target_dir, vocab.draft_ids)
-    if tc.freeze_head:
-        for prm in (*model.lm_head.parameters(), *model.norm.parameters()):
+    if tc.head_init != "random":
+        init_head_from_target(model, target_dir, vocab.draft_ids, norm=tc.head_init == "target")
+    if tc.freeze_head:  # target_lm_head: the final norm (started at 1) still trains
+        norm = () if tc.head_init == "target_lm_head" else tuple(model.norm.parameters())
+        for prm in (*model.lm_head.parameters(), *norm):
             prm.requires_grad_(False)
     return model
 
@@ -417,11 +418,14 @@ def optimizer_step(
 def batch_of(run: Run, idx: list[int]) -> Any:
     """The padded batch of samples ``idx``: gathered on the device when the data lives there,
     else read per sample from the shards (the fast step's pinned copy, or the eager step's)."""
-    max_len = run.cfg.train.max_seq_len
+    tc = run.cfg.train
     if run.data is not None:
-        return make_batch_device(run.data, idx, run.head, max_len)
+        return make_batch_device(
+            run.data, idx, run.head, tc.max_seq_len, positions=tc.loss_positions
+        )
     build = make_batch_fast if run.impl == "fast" else make_batch
-    return build([run.ds[i] for i in idx], run.head, run.dev, max_len)
+    samples = [run.ds[i] for i in idx]
+    return build(samples, run.head, run.dev, tc.max_seq_len, positions=tc.loss_positions)
 
 
 def export(run: Run, vocab: VocabMapping, state: TrainState, export_dir: Path) -> Path:

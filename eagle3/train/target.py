@@ -71,7 +71,7 @@ def target_distribution(
 
 
 def init_head_from_target(
-    model: nn.Module, target_dir: str | Path, draft_ids: torch.Tensor
+    model: nn.Module, target_dir: str | Path, draft_ids: torch.Tensor, norm: bool = True
 ) -> None:
     """Start the draft's read-out as the target's own: ``lm_head`` rows = the target's lm_head rows
     of the draft vocab (tied targets: embedding rows), final ``norm`` = the target's final norm.
@@ -79,11 +79,15 @@ def init_head_from_target(
     Why: the draft's last hidden state is trained to predict what the target's final state
     predicts, through the same kind of RMSNorm + linear read-out. A random 32000 x H read-out
     (most of the draft's trainable weights) has to be learnt from the data; the target's is
-    already right for every token, including the ones the data shows rarely."""
+    already right for every token, including the ones the data shows rarely. ``norm=False``
+    keeps the final norm at 1 (speculators: the target's lm_head under a norm of its own)."""
     _, head = load_target_embeddings(target_dir)
-    norm = load_target_tensor(target_dir, NORM_NAMES)
+    final_norm = load_target_tensor(target_dir, NORM_NAMES)
     ids = draft_ids.to(torch.int64)
-    if head.shape[1] != model.lm_head.weight.shape[1] or norm.shape != model.norm.weight.shape:
+    if (
+        head.shape[1] != model.lm_head.weight.shape[1]
+        or final_norm.shape != model.norm.weight.shape
+    ):
         raise ValueError(
             "train.head_init=target needs the draft's hidden size "
             f"({model.lm_head.weight.shape[1]}) "
@@ -91,4 +95,5 @@ def init_head_from_target(
         )
     with torch.no_grad():
         model.lm_head.weight.copy_(head[ids].to(model.lm_head.weight.dtype))
-        model.norm.weight.copy_(norm.to(model.norm.weight.dtype))
+        if norm:
+            model.norm.weight.copy_(final_norm.to(model.norm.weight.dtype))
