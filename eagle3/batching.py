@@ -56,3 +56,27 @@ def shuffled_budget_batches(
             tokens += lengths[i]
     rng.shuffle(batches)
     return batches
+
+
+def packed_budget_batches(lengths: list[int], token_budget: int, seed: int) -> list[list[int]]:
+    """Random documents up to ``token_budget`` real tokens per batch: what one packed row of
+    speculators' trainer holds (documents drawn in random order, packed until the row is full,
+    attention kept within each document), here as one padded row per document, which keeps
+    attention within documents for free and costs the padding (up to longest x count). A
+    document longer than the budget gets a batch of its own."""
+    import random
+
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    tokens = 0
+    for i in order:
+        if cur and tokens + lengths[i] > token_budget:
+            batches.append(cur)
+            cur, tokens = [], 0
+        cur.append(i)
+        tokens += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches

@@ -166,11 +166,13 @@ class TrainConfig(_Section):
     ttt_steps: int = Field(7, ge=1)
     ttt_decay: float = Field(0.8, gt=0, le=1)
     token_budget: int = Field(8192, gt=0)
-    batching: Literal["fixed", "shuffled"] = Field(
+    batching: Literal["fixed", "shuffled", "packed"] = Field(
         "fixed",
         description="fixed: all samples sorted by length and cut into batches once, the same "
-        "batches every epoch in a new order; shuffled: new batches every epoch (a seeded "
-        "permutation, length-bucketed within windows of 64 batches' worth of tokens).",
+        "batches every epoch in a new order (token_budget counts padding); shuffled: new "
+        "batches every epoch (a seeded permutation, length-bucketed within windows of 64 "
+        "batches' worth of tokens); packed: random documents up to token_budget REAL tokens, "
+        "one padded row each (what a packed row of speculators holds; costs the padding).",
     )
     data_on_device: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -431,6 +431,21 @@ def test_shuffled_batching_new_batches_every_epoch():
     assert shuffled_budget_batches(lengths, 1024, seed=0) == e0  # seeded: resumable
 
 
+def test_packed_batching_random_documents_up_to_the_budget():
+    from eagle3.batching import packed_budget_batches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 300, (500,), generator=g).tolist() + [3000]
+    e0 = packed_budget_batches(lengths, 1024, seed=0)
+    assert sorted(i for b in e0 for i in b) == list(range(501))
+    assert all(sum(lengths[i] for i in b) <= 1024 or len(b) == 1 for b in e0)
+    full = [sum(lengths[i] for i in b) for b in e0[:-1]]  # rows are filled (a packer's rows)
+    assert sum(full) / len(full) > 1024 - 300
+    mixed = [max(lengths[i] for i in b) / min(lengths[i] for i in b) for b in e0 if len(b) > 2]
+    assert sum(mixed) / len(mixed) > 3  # random lengths together, not length buckets
+    assert packed_budget_batches(lengths, 1024, seed=1) != e0
+
+
 def test_data_on_device_and_shuffled_batching_train_and_resume(setup):
     """Training from the samples held in memory gives the weights that reading the shards gives;
     shuffled batching resumes exactly mid-epoch (its batches are a function of seed and epoch)."""
@@ -439,6 +454,8 @@ def test_data_on_device_and_shuffled_batching_train_and_resume(setup):
     for name, extra in (("off", {"data_on_device": "off"}), ("on", {"data_on_device": "on"})):
         cfg = make_cfg(epochs=2, batching="shuffled", checkpoint_every_steps=2, **extra)
         runs[name] = train(cfg, ext, vocab, target, tmp / f"run-dev-{name}")
+    packed = train(make_cfg(epochs=1, batching="packed"), ext, vocab, target, tmp / "run-packed")
+    assert packed["complete"] and all(math.isfinite(x) for x in packed["final"]["loss"])
     assert runs["on"]["steps"] == runs["off"]["steps"]
     assert runs["on"]["data_on_device"]["on"] and not runs["off"]["data_on_device"]["on"]
     assert runs["on"]["loop_s"] > 0

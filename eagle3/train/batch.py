@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from eagle3.batching import shuffled_budget_batches
+from eagle3.batching import packed_budget_batches, shuffled_budget_batches
 from eagle3.train.target import TargetHead, target_distribution
 
 
@@ -147,9 +147,12 @@ def step_inputs(
 def epoch_batches(
     ds: Any, token_budget: int, seed: int, epoch: int, batching: str = "fixed"
 ) -> list[list[int]]:
-    """The epoch's batches (sample indices), length-bucketed and shuffled by (seed, epoch):
-    the same batches every epoch (``fixed``) or new ones (``shuffled``, train.batching)."""
+    """The epoch's batches (sample indices) of ``train.batching``, drawn by (seed, epoch):
+    length buckets, the same every epoch (``fixed``) or new ones (``shuffled``), or random
+    documents up to the budget in real tokens (``packed``: a packed row's statistics)."""
+    lengths = [ds.length(i) for i in range(len(ds))]
     if batching == "shuffled":
-        lengths = [ds.length(i) for i in range(len(ds))]
         return shuffled_budget_batches(lengths, token_budget, seed * 100003 + epoch)
+    if batching == "packed":
+        return packed_budget_batches(lengths, token_budget, seed * 100003 + epoch)
     return list(ds.batches(token_budget, shuffle=True, seed=seed * 100003 + epoch))
