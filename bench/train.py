@@ -59,8 +59,11 @@ from eagle3.train import (  # noqa: E402
     wrap_for_training,
 )
 from eagle3.train.batch import make_batch_fast  # noqa: E402
-from eagle3.train.loop import make_autocast  # noqa: E402
-from eagle3.train.step import resolve_step_impl, train_step_async  # noqa: E402
+from eagle3.train.step import (  # noqa: E402
+    make_autocast,  # noqa: E402
+    resolve_step_impl,
+    train_step_async,
+)
 from eagle3.train.step_fast import PendingStep  # noqa: E402
 
 SMOLLM2 = dict(

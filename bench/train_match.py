@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from train import build, make_sample  # noqa: E402
 
 from eagle3.train.batch import make_batch_fast  # noqa: E402
-from eagle3.train.loop import make_autocast  # noqa: E402
+from eagle3.train.step import make_autocast  # noqa: E402
 from eagle3.train.ttt import TTTObjective  # noqa: E402
 
 

@@ -181,6 +181,13 @@ class TrainConfig(_Section):
         "most 35% of free memory.",
         json_schema_extra=UNKEYED,
     )
+    sdpa: Literal["no_cudnn", "auto"] = Field(
+        "no_cudnn",
+        description="CUDA: the attention kernels the step may use. no_cudnn: flash or "
+        "memory-efficient (no per-shape set-up; padded batches change shape every step); auto: "
+        "PyTorch's choice, which may be cuDNN on Hopper (eagle3/train/loop.py, StepContext).",
+        json_schema_extra=UNKEYED,
+    )
     max_seq_len: int = Field(2048, gt=0)
     seed: int = 0
     draft_arch: Literal["auto", "llama", "mla"] = Field(

@@ -197,3 +197,19 @@ def test_nan_guard_on_the_device_skips_the_update():
     # fused and foreach AdamW order their arithmetic differently (Adam's normalised update
     # magnifies it where a gradient is near 0): measured 1.0e-5
     assert max(rel(a, b) for a, b in zip(*out)) < 1e-4
+
+
+def test_step_context_keeps_sdpa_off_cudnn_and_is_reusable():
+    """train.sdpa: no_cudnn wraps each forward in autocast + sdpa_kernel(flash, efficient, math):
+    reusable across steps (a fresh sdpa_kernel each time) and a no-op for what CPU runs pick.
+    (Whether cuDNN would have been picked needs a Hopper GPU: docs/benchmarks.md, session 6.)"""
+    from eagle3.train.step import StepContext, make_autocast
+
+    assert isinstance(make_autocast(torch.device("cpu"), "fast"), torch.autocast)  # CPU: as before
+    ctx = StepContext(torch.autocast("cpu", enabled=False))
+    q = torch.randn(1, 2, 8, 16)
+    plain = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    for _ in range(2):
+        with ctx:
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        torch.testing.assert_close(out, plain)

@@ -42,7 +42,7 @@ from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, w
 from eagle3.train.metrics import epoch_metrics, write_metrics
 from eagle3.train.optim import lr_at, make_optimizer
 from eagle3.train.progress import StepQueue, check_finite
-from eagle3.train.step import resolve_step_impl, train_step_async
+from eagle3.train.step import make_autocast, resolve_step_impl, train_step_async
 from eagle3.train.step_fast import PendingStep, StepResult
 from eagle3.train.target import TargetHead, init_head_from_target, load_target_head
 from eagle3.vocab import VocabMapping, load_vocab
@@ -353,7 +353,7 @@ def run_epochs(
     Checkpoints every ``checkpoint_every_steps`` and after each epoch. One step is in flight
     (:class:`~eagle3.train.progress.StepQueue`): its metrics are read once the next is queued."""
     tc, d = run.cfg.train, run.d
-    autocast = make_autocast(run.dev, run.impl)
+    autocast = make_autocast(run.dev, run.impl, tc.sdpa)
     run.model.train()
     queue = StepQueue(state, run.total_steps, on_progress if d.main else None)
     while state.epoch < tc.epochs:
@@ -377,15 +377,6 @@ def run_epochs(
             write_metrics(out_dir, state.history)
         run.save(state)
     return True
-
-
-def make_autocast(dev: torch.device, impl: str) -> Any:
-    """bf16 autocast on CUDA. The fast step turns off autocast's weight-cast cache: each TTT
-    step casts the fp32 weights itself, so the backward of each cast hands its gradient to the
-    fp32 ``.grad`` (the steps' weight gradients add up in fp32, not in one cached bf16 copy)."""
-    if dev.type != "cuda":
-        return torch.autocast("cpu", enabled=False)
-    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=impl != "fast")
 
 
 def optimizer_step(

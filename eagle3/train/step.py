@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,3 +108,40 @@ def train_step_async(
     opt.zero_grad(set_to_none=True)
     mark("optimizer")
     return StepResult(total, per_step, gnorm, finite)
+
+
+def make_autocast(dev: torch.device, impl: str, sdpa: str = "no_cudnn") -> Any:
+    """bf16 autocast on CUDA, plus the attention kernels SDPA may pick (``train.sdpa``). The
+    fast step turns off autocast's weight-cast cache: each TTT step casts the fp32 weights
+    itself, so the backward of each cast hands its gradient to the fp32 ``.grad`` (the steps'
+    weight gradients add up in fp32, not in one cached bf16 copy)."""
+    if dev.type != "cuda":
+        return torch.autocast("cpu", enabled=False)
+    cast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=impl != "fast")
+    return cast if sdpa == "auto" else StepContext(cast)
+
+
+class StepContext:
+    """Autocast, and SDPA kept off cuDNN's attention, around each forward (``train.sdpa:
+    no_cudnn``). Why: on Hopper SDPA may pick cuDNN, which builds an execution graph for every
+    new shape; padded batches of varying length (and each TTT step's own query count) are new
+    shapes most steps of a first epoch. The first trainings of each H200 call ran up to 12x
+    slower per step than later ones on the same batch shapes (docs/benchmarks.md, session 6);
+    flash / memory-efficient attention have no per-shape set-up."""
+
+    def __init__(self, autocast: Any) -> None:
+        self.autocast = autocast
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> StepContext:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(self.autocast)
+        kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        self.stack.enter_context(sdpa_kernel(kernels))
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        assert self.stack is not None
+        return self.stack.__exit__(*exc)
