@@ -178,6 +178,15 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--profile", action="store_true", help="torch.profiler top kernels")
     ap.add_argument(
+        "--sdpa", choices=["no_cudnn", "auto"], default="no_cudnn", help="train.sdpa (CUDA)"
+    )
+    ap.add_argument(
+        "--vary-lengths",
+        action="store_true",
+        help="a new padded length every step (seq, seq - 8, ...), as the train stage's padded "
+        "batches have: what per-shape set-up costs (tokens/s over the mean length)",
+    )
+    ap.add_argument(
         "--optimizer", choices=["adamw", "muon"], default="adamw", help="train.optimizer"
     )
     ap.add_argument(
@@ -267,7 +276,7 @@ def main() -> None:
         [make_sample((rank + j * world) * batch + k, seq, h, v, state_dtype) for k in range(batch)]
         for j in range(accum)
     ]
-    autocast = make_autocast(dev, "eager" if args.autocast_cache else impl)
+    autocast = make_autocast(dev, "eager" if args.autocast_cache else impl, args.sdpa)
     make = make_batch_fast if impl == "fast" else make_batch
     phases = Phases(dev)
     losses: list[float] = []
@@ -278,9 +287,13 @@ def main() -> None:
             r = pending.pop(0)
             losses.append((r.resolve() if isinstance(r, PendingStep) else r).loss)
 
+    used: list[int] = []  # padded length of each step (--vary-lengths: a new one every step)
+
     def step() -> None:
         phases.start()
-        micro = [make(s, head, dev, seq) for s in micro_samples]
+        n = seq - 8 * (len(used) % max(1, seq // 16)) if args.vary_lengths else seq
+        used.append(n)
+        micro = [make(s, head, dev, n) for s in micro_samples]
         phases.mark("batch")
         r = train_step_async(
             net, opt, params, micro, dist_info, ttt, 0.8, 0.5, autocast, phases.mark
@@ -305,6 +318,8 @@ def main() -> None:
     settle()
     sync(dev)
     dt = (time.perf_counter() - t0) / steps
+    if args.vary_lengths:  # tokens and FLOPs at the measured steps' mean padded length
+        seq = round(sum(used[-steps:]) / steps)
     phases.on = False
     if args.sync_debug and dev.type == "cuda":
         torch.cuda.set_sync_debug_mode("default")
