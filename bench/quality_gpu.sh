@@ -12,6 +12,8 @@
 #   device run: bash bench/quality_gpu.sh run EXPS     carry [".gpu/g2", ".gpu/d", EXPS's folder]
 #       EXPS: a file of bench/quality.py --exp JSON lines; MTBENCH=0 skips the MT-bench answers
 #       (held-out only); results: $OUT/results.jsonl (each row also has loop_s, data_on_device)
+#   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
+#       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
 #
 # One training at a time (several at once starve each other's host threads: docs/train.md).
 set -u
@@ -70,8 +72,26 @@ run)
     --set train.ttt_steps=3 "${ARGS[@]}" --out "$OUT/results.jsonl" 2>&1 | grep -E '^\{|n-gram|Error' | cut -c 1-400
   echo "end t=$(($(date +%s) - T0))s"
   ;;
+reference)
+  # speculators 0.9.0 (its own recipe) on the extract the last `run` made, EPOCHS planned epochs
+  # (linear decay over them), scored by the same bench/quality.py eval: the side-by-side rerun.
+  # Eager: its fused loss's torch.compile failed on this image's torch (session 3).
+  EPOCHS=${2:-1}
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TORCH_COMPILE_DISABLE=1
+  T=$(python3 -c "from eagle3.config import load_config; from eagle3.embedded import resolve_model; c = load_config('configs/smollm2-cpu.yaml'); print(resolve_model(c.target.model, c.paths.cache_dir))")
+  V=$(ls /tmp/q/W/runs/*/vocab/vocab.safetensors | head -1)
+  python3 bench/reference_speculators.py all --extract /tmp/q/W/extract-train --vocab "$V" \
+    --target "$T" --out /tmp/q/ref --epochs "$EPOCHS" --total-seq-len 8192 2>&1 | grep -E "^REFERENCE|^export|rror" | cut -c 1-400
+  EVALS=()
+  for e in /tmp/q/W/extract-*; do
+    n=${e##*/extract-}
+    [ "$n" = train ] || EVALS+=(--eval "$n=$e")
+  done
+  python3 bench/quality.py eval --draft /tmp/q/ref/vllm-draft --name "reference-e$EPOCHS" \
+    "${EVALS[@]}" --out "$OUT/results.jsonl" 2>&1 | tail -2 | cut -c 1-400
+  ;;
 *)
-  sed -n 2,20p "$0"
+  sed -n 2,22p "$0"
   exit 2
   ;;
 esac
