@@ -60,7 +60,7 @@ from eagle3.train import (  # noqa: E402
 )
 from eagle3.train.batch import make_batch_fast  # noqa: E402
 from eagle3.train.step import (  # noqa: E402
-    make_autocast,  # noqa: E402
+    make_autocast,
     resolve_step_impl,
     train_step_async,
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 
 def token_budget_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Indices grouped by similar length so that ``len(batch) * longest <= token_budget``.
@@ -36,8 +38,6 @@ def shuffled_budget_batches(
     each window is length-bucketed on its own, and all batches are shuffled: every epoch sees new
     mixtures (as a packed row of random documents does) at a padding cost close to the sorted one.
     """
-    import random
-
     rng = random.Random(seed)
     order = list(range(len(lengths)))
     rng.shuffle(order)
@@ -64,8 +64,6 @@ def packed_budget_batches(lengths: list[int], token_budget: int, seed: int) -> l
     attention kept within each document), here as one padded row per document, which keeps
     attention within documents for free and costs the padding (up to longest x count). A
     document longer than the budget gets a batch of its own."""
-    import random
-
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
     batches: list[list[int]] = []

@@ -102,7 +102,25 @@ def make_batch_fast(
     ids, mask, aux, final, valid = (
         x.to(device, non_blocking=pin) for x in (ids, mask, aux, final, valid)
     )
-    aux = aux.to(torch.bfloat16 if cuda else torch.float32)
+    return batch_from_padded(ids, mask, aux, final, valid, head, chunk, positions)
+
+
+def batch_from_padded(
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    aux: torch.Tensor,
+    final: torch.Tensor,
+    valid: torch.Tensor,
+    head: TargetHead,
+    chunk: int,
+    positions: str,
+) -> Batch:
+    """The batch of zero-padded [B, L(, .)] tensors already on the device (the fast step's and
+    :mod:`eagle3.train.device_data`'s): aux in bf16 on CUDA (the fc reads it under bf16
+    autocast anyway) else float32, the target distribution of all rows in one chunked pass
+    (padding rows get one too; they count nothing)."""
+    b, L = ids.shape
+    aux = aux.to(torch.bfloat16 if ids.is_cuda else torch.float32)
     p, a = target_distribution(final.view(b * L, -1), head, chunk)
     arg = torch.where(valid, a.view(b, L), -1)
     return Batch(ids, aux, p.view(b, L, -1), arg, counted_positions(mask, arg, valid, positions))
@@ -150,9 +168,9 @@ def epoch_batches(
     """The epoch's batches (sample indices) of ``train.batching``, drawn by (seed, epoch):
     length buckets, the same every epoch (``fixed``) or new ones (``shuffled``), or random
     documents up to the budget in real tokens (``packed``: a packed row's statistics)."""
+    seed = seed * 100003 + epoch
+    if batching == "fixed":
+        return list(ds.batches(token_budget, shuffle=True, seed=seed))
     lengths = [ds.length(i) for i in range(len(ds))]
-    if batching == "shuffled":
-        return shuffled_budget_batches(lengths, token_budget, seed * 100003 + epoch)
-    if batching == "packed":
-        return packed_budget_batches(lengths, token_budget, seed * 100003 + epoch)
-    return list(ds.batches(token_budget, shuffle=True, seed=seed * 100003 + epoch))
+    cut = shuffled_budget_batches if batching == "shuffled" else packed_budget_batches
+    return cut(lengths, token_budget, seed)

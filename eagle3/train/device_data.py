@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from eagle3.extract.storage import HiddenStateDataset, dequantize_fp8
-from eagle3.train.batch import Batch, counted_positions
-from eagle3.train.target import TargetHead, target_distribution
+from eagle3.train.batch import Batch, batch_from_padded
+from eagle3.train.target import TargetHead
 
 #: the share of free device memory the states may take under ``data_on_device: auto``
 AUTO_SHARE = 0.35
@@ -64,38 +64,39 @@ class DeviceData:
 
     @classmethod
     def load(cls, ds: HiddenStateDataset, device: torch.device) -> DeviceData:
-        """Read each shard once (whole tensors), move it to ``device``, keep the rows of the
-        samples ``ds`` lists, in ``ds``'s order of shards."""
+        """Read each shard once (whole tensors) into flat tensors allocated once on ``device``
+        (no concatenation: the device never holds the states twice), keeping the rows of the
+        samples ``ds`` lists."""
         by_shard: dict[str, list[int]] = {}
         for i, (shard, _, _) in enumerate(ds.entries):
             by_shard.setdefault(shard, []).append(i)
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "mask", "aux", "final")}
+        shards = sorted(by_shard)
+        rows = []
+        for shard in shards:
+            with safe_open(str(ds.root / shard), framework="pt") as h:
+                rows.append(h.get_slice("input_ids").get_shape()[0])
+        flat: dict[str, torch.Tensor] = {}
         start, length = [0] * len(ds), [0] * len(ds)
         at = 0
-        for shard, members in sorted(by_shard.items()):
+        for shard, n_rows in zip(shards, rows):
             with safe_open(str(ds.root / shard), framework="pt") as h:
                 offsets = h.get_tensor("offsets").tolist()
                 tensors = {
-                    "ids": h.get_tensor("input_ids"),
+                    "ids": h.get_tensor("input_ids").long(),
                     "mask": h.get_tensor("loss_mask").bool(),
                     "aux": _states(h, "aux"),
                     "final": _states(h, "final"),
                 }
-            for i in members:
+            for k, v in tensors.items():
+                if k not in flat:
+                    flat[k] = torch.empty(sum(rows), *v.shape[1:], dtype=v.dtype, device=device)
+                flat[k][at : at + n_rows].copy_(v)
+            for i in by_shard[shard]:
                 _, pos, n = ds.entries[i]
                 start[i] = at + offsets[pos]
                 length[i] = int(n)
-            for k, v in tensors.items():
-                parts[k].append(v.to(device))
-            at += offsets[-1]
-        return cls(
-            torch.cat(parts["ids"]).long(),
-            torch.cat(parts["mask"]),
-            torch.cat(parts["aux"]),
-            torch.cat(parts["final"]),
-            start,
-            length,
-        )
+            at += n_rows
+        return cls(flat["ids"], flat["mask"], flat["aux"], flat["final"], start, length)
 
 
 def make_batch_device(
@@ -110,7 +111,7 @@ def make_batch_device(
     from :class:`DeviceData`: one index [B, L] built on the host, one gather per tensor."""
     dev = data.input_ids.device
     lens = [min(data.length[i], max_seq_len) for i in idx]
-    b, L = len(idx), max(lens)
+    L = max(lens)
     pos = torch.arange(L)
     valid = pos[None, :] < torch.tensor(lens)[:, None]
     rows = torch.tensor([data.start[i] for i in idx])[:, None] + pos[None, :]
@@ -121,11 +122,9 @@ def make_batch_device(
     rows, valid = rows.to(dev, non_blocking=pin), valid.to(dev, non_blocking=pin)
     ids = torch.where(valid, data.input_ids[rows], 0)
     mask = data.loss_mask[rows] & valid
-    aux = (data.aux[rows] * valid[..., None]).to(torch.bfloat16 if pin else torch.float32)
+    aux = data.aux[rows] * valid[..., None]
     final = data.final[rows] * valid[..., None]
-    p, a = target_distribution(final.view(b * L, -1), head, chunk)
-    arg = torch.where(valid, a.view(b, L), -1)
-    return Batch(ids, aux, p.view(b, L, -1), arg, counted_positions(mask, arg, valid, positions))
+    return batch_from_padded(ids, mask, aux, final, valid, head, chunk, positions)
 
 
 __all__ = ["AUTO_SHARE", "DeviceData", "fits", "make_batch_device", "stored_bytes"]
