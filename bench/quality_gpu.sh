@@ -89,6 +89,7 @@ reference)
   done
   python3 bench/quality.py eval --draft /tmp/q/ref/vllm-draft --name "reference-e$EPOCHS" \
     "${EVALS[@]}" --out "$OUT/results.jsonl" 2>&1 | tail -2 | cut -c 1-400
+  cp /tmp/q/ref/summary.json /tmp/q/ref/metrics.jsonl "$OUT/" 2>/dev/null  # its loss / accuracy per TTT step
   ;;
 *)
   sed -n 2,22p "$0"
