@@ -565,7 +565,8 @@ def cmd_combine(a) -> None:
 
 
 def cmd_plot(a) -> None:
-    """Acceptance vs training samples, one line per (series, evaluation set), n-gram as levels."""
+    """Acceptance vs training samples (or epochs: ``--x epochs``), one line per (series,
+    evaluation set), n-gram as levels; ``--match`` keeps the rows whose name contains it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -573,6 +574,9 @@ def cmd_plot(a) -> None:
 
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("plot", True)]  # "plot": false: rows kept for tables only
+    rows = [r for r in rows if a.match in r["name"]]
+    if a.x == "epochs":  # the trained epochs, from the run's last metrics record
+        rows = [dict(r, samples=r["final"]["epoch"]) for r in rows if r.get("final")]
     evals = sorted(
         {
             k
@@ -601,7 +605,7 @@ def cmd_plot(a) -> None:
                 lw=1,
                 label=f"n-gram, simulated [{ev}]",
             )
-    if a.demo:
+    if a.demo and a.x == "samples":
         ax.plot(
             [40],
             [a.demo],
@@ -609,12 +613,15 @@ def cmd_plot(a) -> None:
             ms=12,
             label="make demo's draft (vLLM CPU, the demo's MT-bench workload)",
         )
-    ax.set(
-        xscale="log",
-        xlabel="training samples (ShareGPT first turns; answers: the target's own, then ShareGPT's)",
-        ylabel="acceptance length (k = 3, greedy)",
-        title="Draft acceptance vs data (offline estimate)",
-    )
+    if a.x == "epochs":
+        ax.set(xlabel="epochs", title="Draft acceptance vs epochs (offline estimate)")
+    else:
+        ax.set(
+            xscale="log",
+            xlabel="training samples (ShareGPT first turns; answers: the target's own, then ShareGPT's)",
+            title="Draft acceptance vs data (offline estimate)",
+        )
+    ax.set(ylabel="acceptance length (k = 3, greedy)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
@@ -684,6 +691,8 @@ def main() -> None:
     p.add_argument("results")
     p.add_argument("png")
     p.add_argument("--demo", type=float, default=None)
+    p.add_argument("--x", choices=("samples", "epochs"), default="samples")
+    p.add_argument("--match", default="", help="only rows whose name contains this")
     a = ap.parse_args()
     {
         "prompts": cmd_prompts,
