@@ -300,28 +300,43 @@ def cmd_answers(a) -> None:
     (eagle3/extract/answers.py), here as a folder the bench can cut into subsets. Prompts of
     ``--exclude`` folders (the regenerated and held-out sets) and MT-bench are left out. The
     results of 2026-12-03 used commit 11c7542's version of this command (same examples, file order
-    shuffled with seed 0 instead of the library's seeded row order)."""
+    shuffled with seed 0 instead of the library's seeded row order).
+
+    ``--turns N`` (``extract.dataset_answer_turns``): up to N answers of each conversation, one
+    sample per answer (its whole history as the prompt), since a generate folder holds one
+    completion a sample; the loss positions are those of the stage's one-sequence examples, the
+    extract pays for each history again. The first answers are the ``--turns 1`` samples."""
     from collections import Counter
 
     from eagle3.extract.answers import dataset_answer_examples
     from eagle3.generate.storage import iter_samples
 
-    cfg = _cfg([f"generate.dataset={a.dataset}", f"extract.dataset_answers={a.num}"])
+    cfg = _cfg(
+        [
+            f"generate.dataset={a.dataset}",
+            f"extract.dataset_answers={a.num}",
+            f"extract.dataset_answer_turns={a.turns}",
+        ]
+    )
     skip = {s["id"] for d in a.exclude for s in iter_samples(Path(d))}
     stats: Counter = Counter()
     samples = []
     for ex in dataset_answer_examples(cfg, _tokenizer(cfg), skip, stats):
-        p = ex.loss_mask.index(1)
-        samples.append(
-            {
-                "id": ex.id,
-                "prompt_token_ids": ex.input_ids[:p],
-                "completion_token_ids": ex.input_ids[p:],
-                "finish_reason": "stop",
-                "token_ids_source": "dataset-answer",
-            }
-        )
-    write_generate_folder(Path(a.out), samples, {"source": a.dataset, "dataset_answers": a.num})
+        m = ex.loss_mask
+        starts = [i for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
+        for k, p in enumerate(starts):
+            end = next((i for i in range(p, len(m)) if not m[i]), len(m))
+            samples.append(
+                {
+                    "id": ex.id if k == 0 else f"{ex.id}-turn{k + 1}",
+                    "prompt_token_ids": ex.input_ids[:p],
+                    "completion_token_ids": ex.input_ids[p:end],
+                    "finish_reason": "stop",
+                    "token_ids_source": "dataset-answer",
+                }
+            )
+    meta = {"source": a.dataset, "dataset_answers": a.num, "dataset_answer_turns": a.turns}
+    write_generate_folder(Path(a.out), samples, meta)
     print(
         json.dumps(
             {
@@ -655,6 +670,9 @@ def main() -> None:
     p.add_argument("--dataset", default="embedded:sharegpt")
     p.add_argument("--num", type=int, default=100_000)
     p.add_argument("--exclude", action="append", default=[])
+    p.add_argument(
+        "--turns", type=int, default=1, help="answers per conversation (one sample each)"
+    )
     p.add_argument("--out", required=True)
     p = sub.add_parser("run")
     p.add_argument("--train-gen", required=True)

@@ -5,8 +5,16 @@
 # between calls only while the machine is warm (30 s after a call: chain the calls).
 #
 #   bash bench/quality_gpu.sh prepare [N]   # here: .whl (wheels the image lacks), .gpu/g1 + .gpu/g2
-#                                           #   (the GGUF in two parts), .gpu/d/data.tgz (the mixture's
-#                                           #   first N samples, 0 = all, + the 165 held-out answers),
+#                                           #   (the GGUF in two parts), .gpu/d/data.txz (the mixture's
+#                                           #   first N samples, 0 = all, + the 165 held-out answers;
+#                                           #   TURNS=3: up to 3 answers of each ShareGPT conversation,
+#                                           #   one sample each: 20,301 samples, 16 M tokens, 2.1x the
+#                                           #   loss tokens; its extract (4.6 KB a token) would fill
+#                                           #   the 64 GiB disk: take N ~ 13000 (~10 M tokens, ~46 GB)
+#                                           #   or the nvidia-h200-x2 kind (128 GiB of disk) for all;
+#                                           #   add train.data_on_device=on (auto stops at 35% of free
+#                                           #   memory), and run the same EXPS in a second call if the
+#                                           #   first ends after the extract (it is reused)),
 #                                           #   .gpu/d/question.jsonl (MT-bench)
 #   device run: bash bench/quality_gpu.sh stage        carry [".whl", ".gpu/g1"]
 #   device run: bash bench/quality_gpu.sh run EXPS     carry [".gpu/g2", ".gpu/d", EXPS's folder]
@@ -35,10 +43,10 @@ prepare)
   S=../shared/data/smollm2-sharegpt
   $PY bench/quality.py combine --src $S --first 1000 --out $W/R1000
   $PY bench/quality.py combine --src $S --skip 1000 --first 165 --out $W/HELD
-  $PY bench/quality.py answers --exclude $S --out $W/ANS
+  $PY bench/quality.py answers --exclude $S --turns "${TURNS:-1}" --out $W/ANS
   $PY bench/quality.py combine --src $W/R1000 --src $W/ANS --out $W/ALL
   $PY bench/quality.py combine --src $W/ALL --first "$N" --out $W/MIX
-  tar czf .gpu/d/data.tgz -C $W MIX HELD
+  XZ_OPT=-6 tar cJf .gpu/d/data.txz -C $W MIX HELD  # xz: with the GGUF's second half under 64 MiB
   cp "$($PY -c 'from eagle3.verify.workload import mt_bench_path; print(mt_bench_path())')" .gpu/d/question.jsonl
   rm -rf "$W"
   du -sh .whl .gpu/*
@@ -58,7 +66,7 @@ run)
     cp /tmp/g/__init__.py $P/
     python3 -m eagle3.cli prepare-model --config configs/smollm2-cpu.yaml 2>&1 | tail -1
   fi
-  [ -d /tmp/q/MIX ] || tar xzf .gpu/d/data.tgz -C /tmp/q
+  [ -d /tmp/q/MIX ] || tar xf .gpu/d/data.t*z -C /tmp/q
   EVALS=(--eval heldout=/tmp/q/HELD)
   if [ "${MTBENCH:-1}" = 1 ]; then
     [ -f /tmp/q/MT/manifest.json ] || python3 bench/quality.py mtbench-hf --workload .gpu/d/question.jsonl --out /tmp/q/MT 2>&1 | tail -1
