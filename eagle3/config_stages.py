@@ -185,7 +185,7 @@ class TrainConfig(_Section):
         "no_cudnn",
         description="CUDA: the attention kernels the step may use. no_cudnn: flash or "
         "memory-efficient (no per-shape set-up; padded batches change shape every step); auto: "
-        "PyTorch's choice, which may be cuDNN on Hopper (eagle3/train/loop.py, StepContext).",
+        "PyTorch's choice, which may be cuDNN on Hopper (eagle3/train/step.py, StepContext).",
         json_schema_extra=UNKEYED,
     )
     max_seq_len: int = Field(2048, gt=0)

@@ -125,8 +125,8 @@ class StepContext:
     """Autocast, and SDPA kept off cuDNN's attention, around each forward (``train.sdpa:
     no_cudnn``). Why: on Hopper SDPA may pick cuDNN, which builds an execution graph for every
     new shape; padded batches of varying length (and each TTT step's own query count) are new
-    shapes most steps of a first epoch. The first trainings of each H200 call ran up to 12x
-    slower per step than later ones on the same batch shapes (docs/benchmarks.md, session 6);
+    shapes most steps of a first epoch. Measured on the H200 (docs/benchmarks.md, session 7):
+    a new padded length every step costs 257 ms a step under PyTorch's choice, 41 ms here;
     flash / memory-efficient attention have no per-shape set-up."""
 
     def __init__(self, autocast: Any) -> None:
