@@ -181,6 +181,12 @@ class TrainConfig(_Section):
         "most 35% of free memory.",
         json_schema_extra=UNKEYED,
     )
+    @field_validator("data_on_device", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        """YAML 1.1 reads a bare ``on`` / ``off`` (a profile line or ``-s ...=on``) as a boolean."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     sdpa: Literal["no_cudnn", "auto"] = Field(
         "no_cudnn",
         description="CUDA: the attention kernels the step may use. no_cudnn: flash or "
