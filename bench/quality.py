@@ -14,6 +14,7 @@ eagle3.vocab, eagle3.train, eagle3.verify.offline); results are JSON lines, one 
     python bench/quality.py run --train-gen GEN --eval mtbench=MT --eval heldout=HELD --work W \\
         --exp '{"name": "all", "samples": 0, "set": ["train.epochs=10"]}' ... --out results.jsonl
     python bench/quality.py plot results.jsonl docs/quality-scaling.png [--demo 1.23]
+    python bench/quality.py coverage --train-gen MIX --eval heldout=HELD --eval mtbench=OUTS.jsonl
 
 ``generate-hf`` and ``mtbench-hf`` are the bench's stand-in for the generate stage on a machine
 without vLLM (the GPU machine here): the same weights, chat template and settings through
@@ -574,6 +575,38 @@ def cmd_combine(a) -> None:
     print(json.dumps({"out": a.out, "samples": len(out)}))
 
 
+def cmd_coverage(a) -> None:
+    """The ceiling a draft vocabulary puts on acceptance: the vocab built as the vocab stage
+    builds it (the most frequent loss tokens of ``--train-gen``, eagle3.vocab), at several sizes,
+    and the share of the target's own answer tokens it holds on each ``--eval`` (a generate folder,
+    or a verify run's ``outputs/baseline-c1.jsonl``: what the target emitted when served). A token
+    outside the vocabulary can never be proposed, so the draft's first-position acceptance stays
+    below this share."""
+    import torch
+
+    from eagle3.generate.storage import iter_samples
+    from eagle3.vocab import build_vocab, count_tokens
+
+    def answers(path: str) -> list[list[int]]:
+        p = Path(path)
+        if p.is_file():  # a verify run's outputs: one served answer per line
+            return [json.loads(line)["token_ids"] for line in p.open() if line.strip()]
+        return [s["completion_token_ids"] for s in iter_samples(p)]
+
+    train = answers(a.train_gen)
+    counts = count_tokens(((t, [1] * len(t)) for t in train), a.vocab_size)
+    evals = {"in-sample": train} | dict(e.split("=", 1) for e in a.eval)
+    evals = {k: v if k == "in-sample" else answers(v) for k, v in evals.items()}
+    for size in a.sizes:
+        keep = torch.zeros(a.vocab_size, dtype=torch.bool)
+        keep[build_vocab(counts, size).draft_ids] = True
+        row = {"draft_vocab_size": size}
+        for name, seqs in evals.items():
+            t = torch.tensor([x for s in seqs for x in s], dtype=torch.int64)
+            row[name] = round(float(keep[t].float().mean()), 4)
+        print(json.dumps(row))
+
+
 # ---------------------------------------------------------------------------------------------
 # Plot
 # ---------------------------------------------------------------------------------------------
@@ -705,6 +738,11 @@ def main() -> None:
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--skip", type=int, default=0)
     p.add_argument("--out", required=True)
+    p = sub.add_parser("coverage")
+    p.add_argument("--train-gen", required=True)
+    p.add_argument("--eval", action="append", default=[], help="NAME=GENERATE_DIR or outputs jsonl")
+    p.add_argument("--vocab-size", type=int, default=49152, help="the target's vocabulary")
+    p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 24576, 32768, 49152])
     p = sub.add_parser("plot")
     p.add_argument("results")
     p.add_argument("png")
@@ -722,6 +760,7 @@ def main() -> None:
         "eval": cmd_eval,
         "combine": cmd_combine,
         "answers": cmd_answers,
+        "coverage": cmd_coverage,
     }[a.cmd](a)
 
 

@@ -181,6 +181,7 @@ class TrainConfig(_Section):
         "most 35% of free memory.",
         json_schema_extra=UNKEYED,
     )
+
     @field_validator("data_on_device", mode="before")
     @classmethod
     def _on_off(cls, v: Any) -> Any:

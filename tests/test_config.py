@@ -44,13 +44,13 @@ def test_overrides_are_typed_yaml():
     assert parse_override("generate.concurrency=auto") == (["generate", "concurrency"], "auto")
 
 
-
 def test_on_off_settings_survive_yaml_booleans():
     # YAML 1.1 reads a bare on / off as true / false; `-s train.data_on_device=on` failed with
     # "Input should be 'auto', 'on' or 'off'" (session 8, on the GPU machine).
     for value in ("on", "off", "auto"):
         cfg = load_config(CPU_PROFILE, [f"train.data_on_device={value}"])
         assert cfg.train.data_on_device == value
+
 
 def test_broken_yaml_names_file_and_line(tmp_path):
     p = tmp_path / "broken.yaml"
