@@ -50,7 +50,8 @@ def write_metrics(out_dir: Path, history: list[dict]) -> None:
         ax2.plot(epochs, [h["top1"][i] for h in history], marker="o", label=f"step {i}")
     ax1.set(xlabel="epoch", ylabel="soft CE", title="loss per TTT step")
     ax2.set(xlabel="epoch", ylabel="top-1 agreement", title="top-1 per TTT step", ylim=(0, 1))
-    ax2.legend(fontsize=7)
+    if n_steps:  # an epoch without one finite step has nothing to label
+        ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "metrics.png", dpi=100)
     plt.close(fig)
