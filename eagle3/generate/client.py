@@ -17,8 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import openai
+
+try:  # the transport openai's client is built on: httpx2 (openai 3.x), which since 2.17 rejects
+    import httpx2 as transport  # httpx's Timeout; httpx before that
+except ImportError:  # pragma: no cover
+    import httpx as transport
 from openai import AsyncOpenAI, DefaultAioHttpClient
 
 from eagle3.errors import EndpointError
@@ -101,8 +105,8 @@ def make_pool(
         # aiohttp transport: httpx's own async transport tops out near 300 req/s on one core here,
         # aiohttp gives the client >1000 req/s (bench/generate_throughput.py).
         http = DefaultAioHttpClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(
+            timeout=transport.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=transport.Limits(
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
         )
@@ -111,7 +115,7 @@ def make_pool(
             base_url=f"{url}/v1",
             api_key=api_key or "EMPTY",
             max_retries=0,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            timeout=transport.Timeout(timeout_s, connect=connect_timeout_s),
             http_client=http,
         )
         endpoints.append(Endpoint(url, client))
@@ -153,7 +157,9 @@ async def chat_request(
             # The generic post skips the SDK's typed-params transform (a recursive walk of every
             # message: a third of the CPU time per request at high rates) but keeps its auth,
             # timeouts and error mapping.
-            raw = await ep.client.post("/chat/completions", body=request, cast_to=httpx.Response)
+            raw = await ep.client.post(
+                "/chat/completions", body=request, cast_to=transport.Response
+            )
             try:
                 body = json.loads(raw.content)
             except ValueError as e:

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
+import openai
 from openai import AsyncOpenAI
 
 
@@ -50,7 +50,7 @@ async def achat(
     client = AsyncOpenAI(
         base_url=f"{base_url}/v1",
         api_key=api_key or "EMPTY",
-        timeout=httpx.Timeout(timeout_s, connect=30.0),
+        timeout=openai.Timeout(timeout_s, connect=30.0),
         max_retries=0,
     )
     t0 = time.perf_counter()

@@ -69,13 +69,13 @@ class Server:
     def openai_client(self, timeout_s: float = 1800, max_retries: int = 0):
         """Async OpenAI client with an explicit timeout (the library's 600 s default kills long
         reasoning)."""
-        import httpx
+        import openai
         from openai import AsyncOpenAI
 
         return AsyncOpenAI(
             base_url=f"{self.base_url}/v1",
             api_key=self.api_key or "EMPTY",
-            timeout=httpx.Timeout(timeout_s, connect=30.0),
+            timeout=openai.Timeout(timeout_s, connect=30.0),
             max_retries=max_retries,
         )
 

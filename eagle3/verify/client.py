@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
+import openai
 from openai import AsyncOpenAI
 
 from eagle3.verify.workload import Conversation
@@ -61,7 +61,7 @@ def _client(base_url: str, api_key: str | None, timeout_s: float) -> AsyncOpenAI
     return AsyncOpenAI(
         base_url=f"{base_url}/v1",
         api_key=api_key or "EMPTY",
-        timeout=httpx.Timeout(timeout_s, connect=30.0),
+        timeout=openai.Timeout(timeout_s, connect=30.0),
         max_retries=0,
     )
 
