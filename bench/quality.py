@@ -593,17 +593,18 @@ def cmd_coverage(a) -> None:
             return [json.loads(line)["token_ids"] for line in p.open() if line.strip()]
         return [s["completion_token_ids"] for s in iter_samples(p)]
 
+    def flat(seqs: list[list[int]]) -> torch.Tensor:
+        return torch.tensor([x for s in seqs for x in s], dtype=torch.int64)
+
     train = answers(a.train_gen)
     counts = count_tokens(((t, [1] * len(t)) for t in train), a.vocab_size)
-    evals = {"in-sample": train} | dict(e.split("=", 1) for e in a.eval)
-    evals = {k: v if k == "in-sample" else answers(v) for k, v in evals.items()}
+    tokens = {"in-sample": flat(train)}  # each set flattened once, scored at every size
+    tokens |= {k: flat(answers(v)) for k, v in (e.split("=", 1) for e in a.eval)}
     for size in a.sizes:
         keep = torch.zeros(a.vocab_size, dtype=torch.bool)
         keep[build_vocab(counts, size).draft_ids] = True
         row = {"draft_vocab_size": size}
-        for name, seqs in evals.items():
-            t = torch.tensor([x for s in seqs for x in s], dtype=torch.int64)
-            row[name] = round(float(keep[t].float().mean()), 4)
+        row |= {name: round(float(keep[t].float().mean()), 4) for name, t in tokens.items()}
         print(json.dumps(row))
 
 
