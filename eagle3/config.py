@@ -9,6 +9,7 @@ ignored: a typo in a 1T-parameter run's profile must fail before any GPU time is
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -117,13 +118,35 @@ class PipelineConfig(_Section):
         return self
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true / false (any case).
+
+    Why: PyYAML reads YAML 1.1, where a bare on / off / yes / no / y / n is a boolean, so a
+    profile's ``data_on_device: on`` or ``-s train.prefetch=off`` reached the config as True /
+    False and was refused by a field whose values are the words."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def read_yaml(text: str) -> Any:
+    """A profile or an override value, read as YAML 1.2 (see :class:`_Yaml12Loader`)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'train.epochs=3'`` -> (['train', 'epochs'], 3). The value is read as YAML."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r}: expected section.field=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
     return key.strip().split("."), value
@@ -171,7 +194,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read profile: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = read_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

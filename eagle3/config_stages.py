@@ -182,11 +182,13 @@ class TrainConfig(_Section):
         json_schema_extra=UNKEYED,
     )
 
-    @field_validator("data_on_device", mode="before")
-    @classmethod
-    def _on_off(cls, v: Any) -> Any:
-        """YAML 1.1 reads a bare ``on`` / ``off`` (a profile line or ``-s ...=on``) as a boolean."""
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+    prefetch: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Pad the next step's batches on a host thread while this step runs, when "
+        "they are read from the shards (eagle3/train/loader.py). auto: on CUDA (on the CPU the "
+        "thread would take cores from the step).",
+        json_schema_extra=UNKEYED,
+    )
 
     sdpa: Literal["no_cudnn", "auto"] = Field(
         "no_cudnn",

@@ -44,12 +44,23 @@ def test_overrides_are_typed_yaml():
     assert parse_override("generate.concurrency=auto") == (["generate", "concurrency"], "auto")
 
 
-def test_on_off_settings_survive_yaml_booleans():
+def test_on_off_settings_survive_yaml_booleans(tmp_path):
     # YAML 1.1 reads a bare on / off as true / false; `-s train.data_on_device=on` failed with
-    # "Input should be 'auto', 'on' or 'off'" (session 8, on the GPU machine).
+    # "Input should be 'auto', 'on' or 'off'" (session 8, on the GPU machine). Profiles and
+    # overrides are read as YAML 1.2: only true / false are booleans.
     for value in ("on", "off", "auto"):
-        cfg = load_config(CPU_PROFILE, [f"train.data_on_device={value}"])
-        assert cfg.train.data_on_device == value
+        cfg = load_config(CPU_PROFILE, [f"train.data_on_device={value}", f"train.prefetch={value}"])
+        assert cfg.train.data_on_device == value and cfg.train.prefetch == value
+    profile = tmp_path / "p.yaml"
+    profile.write_text(CPU_PROFILE.read_text() + "\n# appended\n")
+    text = profile.read_text().replace(
+        "train:\n", "train:\n  prefetch: off\n  data_on_device: on\n"
+    )
+    profile.write_text(text)
+    cfg = load_config(profile)
+    assert (cfg.train.prefetch, cfg.train.data_on_device) == ("off", "on")
+    assert parse_override("a.b=yes") == (["a", "b"], "yes")
+    assert parse_override("a.b=true")[1] is True and parse_override("a.b=False")[1] is False
 
 
 def test_broken_yaml_names_file_and_line(tmp_path):

@@ -451,7 +451,9 @@ def test_data_on_device_and_shuffled_batching_train_and_resume(setup):
     shuffled batching resumes exactly mid-epoch (its batches are a function of seed and epoch)."""
     tmp, target, _, ext, vocab = setup
     runs = {}
-    for name, extra in (("off", {"data_on_device": "off"}), ("on", {"data_on_device": "on"})):
+    ways = {"off": "off", "on": "on", "prefetch": "off"}  # prefetch: the loader thread on the CPU
+    for name, where in ways.items():
+        extra = {"data_on_device": where, "prefetch": "on" if name == "prefetch" else "off"}
         cfg = make_cfg(epochs=2, batching="shuffled", checkpoint_every_steps=2, **extra)
         runs[name] = train(cfg, ext, vocab, target, tmp / f"run-dev-{name}")
     packed = train(make_cfg(epochs=1, batching="packed"), ext, vocab, target, tmp / "run-packed")
@@ -461,8 +463,10 @@ def test_data_on_device_and_shuffled_batching_train_and_resume(setup):
     assert runs["on"]["loop_s"] > 0
     a = load_file(str(tmp / "run-dev-off" / "checkpoints" / "latest" / "model.safetensors"))
     b = load_file(str(tmp / "run-dev-on" / "checkpoints" / "latest" / "model.safetensors"))
+    p = load_file(str(tmp / "run-dev-prefetch" / "checkpoints" / "latest" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
+        assert torch.equal(p[k], a[k])  # the same batches, only built on another thread
     cfg = make_cfg(epochs=2, batching="shuffled", checkpoint_every_steps=2, data_on_device="on")
     half = runs["on"]["steps"] // 2 + 1
     part = train(cfg, ext, vocab, target, tmp / "run-dev-resume", max_steps=half)

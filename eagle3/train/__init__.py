@@ -6,6 +6,9 @@ Read in this order:
 - :mod:`~eagle3.train.target`: the target's distribution over the draft vocab (its final norm and
   lm_head read from its checkpoint), and the optional warm start of the draft's read-out.
 - :mod:`~eagle3.train.batch`: padding, and the shift of each TTT step.
+- :mod:`~eagle3.train.loader`: the fast step's batches from the shards (padded a step ahead on a
+  host thread, the target's argmax kept per sample); :mod:`~eagle3.train.device_data`: every
+  sample in the device's memory instead.
 - :mod:`~eagle3.train.ttt`: the unrolled draft, its attention mask and loss (the exact alignment).
 - :mod:`~eagle3.train.ttt_fast`: the same unroll and loss without the waste (the default step).
 - :mod:`~eagle3.train.optim`: AdamW or Muon + AdamW, and the LR schedule.

@@ -70,6 +70,47 @@ def make_batch(
     return Batch(ids, aux, probs, arg, counted_positions(mask, arg, valid, positions))
 
 
+@dataclass
+class Padded:
+    """Samples zero-padded (right) on the host to the longest: what the fast step copies to the
+    device in one go. Pinned when it goes to a GPU, so the copies do not block the host."""
+
+    ids: torch.Tensor  # [B, L] int64
+    mask: torch.Tensor  # [B, L] bool
+    aux: torch.Tensor  # [B, L, A*Ht] the samples' dtype
+    final: torch.Tensor  # [B, L, Ht]
+    valid: torch.Tensor  # [B, L] bool
+    lens: list[int]
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(ids, mask, aux, final, valid) on ``device``; non-blocking from pinned memory."""
+        pinned = self.ids.is_pinned()
+        return tuple(
+            x.to(device, non_blocking=pinned)
+            for x in (self.ids, self.mask, self.aux, self.final, self.valid)
+        )
+
+
+def pad_samples(samples: list, max_seq_len: int, pin: bool) -> Padded:
+    """Host work of a fast batch (any thread): each sample cut to ``max_seq_len`` and copied into
+    zeroed [B, L(, .)] buffers, pinned if ``pin`` (pageable memory would make the copy block)."""
+    lens = [min(len(s), max_seq_len) for s in samples]
+    b, L = len(samples), max(lens)
+    a0, f0 = samples[0].aux, samples[0].final
+    ids = torch.zeros(b, L, dtype=torch.int64, pin_memory=pin)
+    mask = torch.zeros(b, L, dtype=torch.bool, pin_memory=pin)
+    aux = torch.zeros(b, L, a0.shape[-1], dtype=a0.dtype, pin_memory=pin)
+    final = torch.zeros(b, L, f0.shape[-1], dtype=f0.dtype, pin_memory=pin)
+    valid = torch.zeros(b, L, dtype=torch.bool, pin_memory=pin)
+    for j, (s, n) in enumerate(zip(samples, lens)):
+        valid[j, :n] = True
+        ids[j, :n] = s.input_ids[:n]
+        mask[j, :n] = s.loss_mask[:n].bool()
+        aux[j, :n] = s.aux[:n]
+        final[j, :n] = s.final[:n]
+    return Padded(ids, mask, aux, final, valid, lens)
+
+
 def make_batch_fast(
     samples: list,
     head: TargetHead,
@@ -77,32 +118,18 @@ def make_batch_fast(
     max_seq_len: int,
     chunk: int = 1024,
     positions: str = "predicted",
+    arg: torch.Tensor | None = None,
 ) -> Batch:
     """:func:`make_batch` for the fast step: padded on the host (pinned on CUDA), copied once
     without blocking, the target distribution of all rows in one chunked pass, no host sync.
 
     On CUDA the aux states stay bf16 (the fc reads them under bf16 autocast anyway: the same
-    values as float32 cast there). Padding rows get a distribution too (they count nothing)."""
-    lens = [min(len(s), max_seq_len) for s in samples]
-    b, L = len(samples), max(lens)
-    cuda = device.type == "cuda"
-    pin = cuda and torch.cuda.is_available()
-    a0, f0 = samples[0].aux, samples[0].final
-    ids = torch.zeros(b, L, dtype=torch.int64, pin_memory=pin)
-    mask = torch.zeros(b, L, dtype=torch.bool, pin_memory=pin)
-    aux = torch.zeros(b, L, a0.shape[-1], dtype=a0.dtype, pin_memory=pin)
-    final = torch.zeros(b, L, f0.shape[-1], dtype=f0.dtype, pin_memory=pin)
-    valid = torch.zeros(b, L, dtype=torch.bool, pin_memory=pin)  # (pageable would block)
-    for j, (s, n) in enumerate(zip(samples, lens)):
-        valid[j, :n] = True
-        ids[j, :n] = s.input_ids[:n]
-        mask[j, :n] = s.loss_mask[:n].bool()
-        aux[j, :n] = s.aux[:n]
-        final[j, :n] = s.final[:n]
-    ids, mask, aux, final, valid = (
-        x.to(device, non_blocking=pin) for x in (ids, mask, aux, final, valid)
-    )
-    return batch_from_padded(ids, mask, aux, final, valid, head, chunk, positions)
+    values as float32 cast there). Padding rows get a distribution too (they count nothing).
+    ``arg``: the batch's target argmax [B, L] from an earlier batch of the same samples (only
+    the draft rows of the target head run)."""
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    ids, mask, aux, final, valid = pad_samples(samples, max_seq_len, pin).to(device)
+    return batch_from_padded(ids, mask, aux, final, valid, head, chunk, positions, arg)
 
 
 def batch_from_padded(
@@ -114,14 +141,18 @@ def batch_from_padded(
     head: TargetHead,
     chunk: int,
     positions: str,
+    arg: torch.Tensor | None = None,
 ) -> Batch:
     """The batch of zero-padded [B, L(, .)] tensors already on the device (the fast step's and
     :mod:`eagle3.train.device_data`'s): aux in bf16 on CUDA (the fc reads it under bf16
     autocast anyway) else float32, the target distribution of all rows in one chunked pass
-    (padding rows get one too; they count nothing)."""
+    (padding rows get one too; they count nothing). ``arg`` [B, L], when known: the target's
+    argmax as a draft index, so only the draft rows of the target head run."""
     b, L = ids.shape
     aux = aux.to(torch.bfloat16 if ids.is_cuda else torch.float32)
-    p, a = target_distribution(final.view(b * L, -1), head, chunk)
+    p, a = target_distribution(
+        final.view(b * L, -1), head, chunk, None if arg is None else arg.reshape(-1)
+    )
     arg = torch.where(valid, a.view(b, L), -1)
     return Batch(ids, aux, p.view(b, L, -1), arg, counted_positions(mask, arg, valid, positions))
 

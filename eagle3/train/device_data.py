@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from eagle3.extract.storage import HiddenStateDataset, dequantize_fp8
 from eagle3.train.batch import Batch, batch_from_padded
-from eagle3.train.target import TargetHead
+from eagle3.train.target import TargetHead, target_argmax
 
 #: the share of free device memory the states may take under ``data_on_device: auto``
 AUTO_SHARE = 0.35
@@ -61,6 +61,12 @@ class DeviceData:
     final: torch.Tensor  # [N, Ht]
     start: list[int]
     length: list[int]
+    arg: torch.Tensor | None = None  # [N] int32 the target's argmax (draft index), see below
+
+    def remember_argmax(self, head: TargetHead) -> None:
+        """The target's full-vocab argmax of every stored token, computed once here (one pass of
+        the target head over the states) so that each batch runs only its draft rows."""
+        self.arg = target_argmax(self.final, head)
 
     @classmethod
     def load(cls, ds: HiddenStateDataset, device: torch.device) -> DeviceData:
@@ -124,7 +130,8 @@ def make_batch_device(
     mask = data.loss_mask[rows] & valid
     aux = data.aux[rows] * valid[..., None]
     final = data.final[rows] * valid[..., None]
-    return batch_from_padded(ids, mask, aux, final, valid, head, chunk, positions)
+    arg = None if data.arg is None else data.arg[rows]
+    return batch_from_padded(ids, mask, aux, final, valid, head, chunk, positions, arg)
 
 
 __all__ = ["AUTO_SHARE", "DeviceData", "fits", "make_batch_device", "stored_bytes"]

@@ -9,7 +9,6 @@ run the epochs, refuse a draft that never took a finite step, export, write the 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import random
@@ -25,7 +24,6 @@ from torch import nn
 
 from eagle3.atomic import write_json_atomic
 from eagle3.draft import DraftModel, build_draft
-from eagle3.errors import MissingSamples
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
@@ -33,12 +31,12 @@ from eagle3.train.batch import (
     add_feature_noise,
     epoch_batches,
     make_batch,
-    make_batch_fast,
     zero_weight,
 )
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
 from eagle3.train.device_data import DeviceData, fits, make_batch_device
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
+from eagle3.train.loader import Loader, open_extract
 from eagle3.train.metrics import epoch_metrics, write_metrics
 from eagle3.train.optim import lr_at, make_optimizer
 from eagle3.train.progress import StepQueue, check_finite
@@ -112,6 +110,7 @@ class Run:
     extra: dict[str, Any]  # what state.json carries besides the state
     impl: str = "eager"  # the TTT step (train.step_impl resolved)
     data: DeviceData | None = None  # every sample on the device (train.data_on_device)
+    loader: Loader | None = None  # the fast step's batches from the shards (prefetched)
 
     def save(self, state: TrainState) -> None:
         save_checkpoint(
@@ -141,7 +140,8 @@ def _train(
         out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     vocab = load_vocab(Path(vocab_path))
-    ds = open_extract(extract_dir, list(cfg.aux_layers))
+    # on a GPU the states are read in their storage dtype (bf16): the step casts them there
+    ds = open_extract(extract_dir, list(cfg.aux_layers), dev.type == "cuda")
     model = build_model(cfg, target_dir, vocab, ds)
     run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
     state, resumed_from = TrainState(), None
@@ -150,7 +150,12 @@ def _train(
         resumed_from = state.step
 
     loop_started = time.time()
-    if not run_epochs(run, state, out_dir, max_steps, on_progress):
+    try:
+        finished = run_epochs(run, state, out_dir, max_steps, on_progress)
+    finally:
+        if run.loader is not None:
+            run.loader.close()
+    if not finished:
         run.save(state)
         if d.world > 1:
             dist.barrier()
@@ -198,26 +203,6 @@ def _train(
     if d.world > 1:
         dist.barrier()  # the export and manifest exist when any rank returns
     return manifest
-
-
-def open_extract(extract_dir: Path, aux_layers: list[int]) -> HiddenStateDataset:
-    """The stored hidden states, checked against extract's manifest (aux layers, sample count)."""
-    ds = HiddenStateDataset(extract_dir, dtype=torch.float32)
-    if len(ds) == 0:
-        raise ValueError(f"{extract_dir}: no samples")
-    man_path = extract_dir / "manifest.json"
-    if man_path.is_file():
-        extract_manifest = json.loads(man_path.read_text())
-        stored = extract_manifest.get("aux_layers")
-        if stored is not None and list(stored) != aux_layers:
-            raise ValueError(f"extract stored aux layers {stored}, config says {aux_layers}")
-        listed = extract_manifest.get("samples")
-        if listed is not None and len(ds) < int(listed):
-            raise MissingSamples(
-                f"{extract_dir}: manifest.json lists {listed} samples, index.json {len(ds)}: the "
-                "folder was changed after extract; rerun extract into it, then train"
-            )
-    return ds
 
 
 def build_model(
@@ -298,7 +283,15 @@ def set_up(
     on_device = tc.data_on_device == "on" or (tc.data_on_device == "auto" and fits(ds, dev))
     t0 = time.time()
     data = DeviceData.load(ds, dev) if on_device else None
+    if data is not None:
+        data.remember_argmax(head)
     load_s = round(time.time() - t0, 2)
+    prefetch = tc.prefetch == "on" or (tc.prefetch == "auto" and dev.type == "cuda")
+    loader = (
+        Loader(ds.__getitem__, head, dev, tc.max_seq_len, tc.loss_positions, prefetch)
+        if data is None and impl == "fast"
+        else None
+    )
     extra = {
         "total_steps": total_steps,
         "global_batches": group,
@@ -324,6 +317,7 @@ def set_up(
         extra,
         impl,
         data,
+        loader,
     )
 
 
@@ -362,8 +356,11 @@ def run_epochs(
             if max_steps is not None and state.step >= max_steps:
                 queue.settle()
                 return False
-            step_batches = batches[state.batch_in_epoch : state.batch_in_epoch + run.group]
+            at, g = state.batch_in_epoch, run.group
+            if run.loader is not None:  # this rank's batches of the step after this one
+                run.loader.prefetch(batches[at + g : at + 2 * g][d.rank :: d.world])
             lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio, tc.lr_schedule)
+            step_batches = batches[at : at + g]
             queue.push(optimizer_step(run, step_batches, lr, autocast), lr, len(step_batches))
             if state.step % tc.checkpoint_every_steps == 0:
                 queue.settle()
@@ -408,15 +405,16 @@ def optimizer_step(
 
 def batch_of(run: Run, idx: list[int]) -> Any:
     """The padded batch of samples ``idx``: gathered on the device when the data lives there,
-    else read per sample from the shards (the fast step's pinned copy, or the eager step's)."""
+    else read from the shards (the fast step's loader, or the eager step's reference batch)."""
     tc = run.cfg.train
     if run.data is not None:
         return make_batch_device(
             run.data, idx, run.head, tc.max_seq_len, positions=tc.loss_positions
         )
-    build = make_batch_fast if run.impl == "fast" else make_batch
+    if run.loader is not None:
+        return run.loader.batch(idx)
     samples = [run.ds[i] for i in idx]
-    return build(samples, run.head, run.dev, tc.max_seq_len, positions=tc.loss_positions)
+    return make_batch(samples, run.head, run.dev, tc.max_seq_len, positions=tc.loss_positions)
 
 
 def export(run: Run, vocab: VocabMapping, state: TrainState, export_dir: Path) -> Path:
