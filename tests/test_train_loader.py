@@ -14,18 +14,15 @@ from eagle3.train.device_data import DeviceData, make_batch_device
 from eagle3.train.loader import Loader
 from eagle3.train.target import target_argmax
 from eagle3.vocab import load_vocab
-from tests.test_train import make_data, make_target, make_vocab
+from tests.test_train import setup  # noqa: F401, F811 (the fixture: target, extract, vocab)
 
 CPU = torch.device("cpu")
 NAMES = ("input_ids", "aux", "probs", "target_arg", "target_ok")
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("loader")
-    target, embed = make_target(tmp / "target")
-    ext = make_data(tmp / "extract", embed)
-    vocab = make_vocab(ext, tmp / "vocab.safetensors")
+def data(setup):  # noqa: F811
+    _, target, _, ext, vocab = setup
     ds = HiddenStateDataset(ext, dtype=torch.float32)
     return ds, load_target_head(target, load_vocab(vocab).draft_ids, 1e-5)
 

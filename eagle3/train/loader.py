@@ -54,7 +54,10 @@ def open_extract(
 class Loader:
     """``batch(idx)``: the fast step's batch of samples ``idx`` (as
     :func:`eagle3.train.batch.make_batch_fast` builds it, the same values); ``prefetch(groups)``
-    starts the host work of batches asked for next (with ``prefetch=True``; else a no-op)."""
+    starts the host work of batches asked for next (with ``prefetch=True``; else a no-op).
+
+    With a thread, ``sample`` is only ever called on it (the shards' handles are not shared
+    between threads), in the order batches were asked for."""
 
     def __init__(
         self,
@@ -87,6 +90,8 @@ class Loader:
     def batch(self, idx: list[int]) -> Batch:
         """The batch of ``idx``: prefetched if it was (its errors surface here), else padded now."""
         ahead = self._ahead.pop(tuple(idx), None)
+        if ahead is None and self._pool is not None:  # every shard read on the one thread
+            ahead = self._pool.submit(self._host, idx)
         host = ahead.result() if ahead is not None else self._host(idx)
         ids, mask, aux, final, valid = host.to(self.device)
         known = all(i in self._arg and self._arg[i].numel() >= n for i, n in zip(idx, host.lens))

@@ -357,8 +357,8 @@ def run_epochs(
                 queue.settle()
                 return False
             at, g = state.batch_in_epoch, run.group
-            if run.loader is not None:  # this rank's batches of the step after this one
-                run.loader.prefetch(batches[at + g : at + 2 * g][d.rank :: d.world])
+            if run.loader is not None:  # this rank's batches of this step and the next
+                run.loader.prefetch(batches[at : at + 2 * g][d.rank :: d.world])
             lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio, tc.lr_schedule)
             step_batches = batches[at : at + g]
             queue.push(optimizer_step(run, step_batches, lr, autocast), lr, len(step_batches))
