@@ -190,6 +190,13 @@ class TrainConfig(_Section):
         json_schema_extra=UNKEYED,
     )
 
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch.compile the fast step's norms, MLP and loss math "
+        "(eagle3/train/compiled.py). auto: on CUDA, except under FSDP; on the CPU the compile "
+        "time outweighs a short run.",
+        json_schema_extra=UNKEYED,
+    )
     sdpa: Literal["no_cudnn", "auto"] = Field(
         "no_cudnn",
         description="CUDA: the attention kernels the step may use. no_cudnn: flash or "

@@ -121,13 +121,17 @@ def make_cfg(**train):
     )
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("train")
+def make_setup(tmp: Path) -> tuple:
+    """(folder, target, its embedding, extract, vocab file): the tiny run every test trains on."""
     target, embed = make_target(tmp / "target")
     ext = make_data(tmp / "extract", embed)
     vocab = make_vocab(ext, tmp / "vocab.safetensors")
     return tmp, target, embed, ext, vocab
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_setup(tmp_path_factory.mktemp("train"))
 
 
 def test_count_tokens_signature_sanity(setup):

@@ -6,22 +6,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eagle3.extract.storage import HiddenStateDataset
-from eagle3.train import load_target_head, target_distribution
+from eagle3.train import load_target_head, target_distribution, train
 from eagle3.train.batch import make_batch_fast
 from eagle3.train.device_data import DeviceData, make_batch_device
 from eagle3.train.loader import Loader
 from eagle3.train.target import target_argmax
 from eagle3.vocab import load_vocab
-from tests.test_train import setup  # noqa: F401, F811 (the fixture: target, extract, vocab)
+from tests.test_train import make_cfg, make_setup
 
 CPU = torch.device("cpu")
 NAMES = ("input_ids", "aux", "probs", "target_arg", "target_ok")
 
 
 @pytest.fixture(scope="module")
-def data(setup):  # noqa: F811
+def setup(tmp_path_factory):
+    return make_setup(tmp_path_factory.mktemp("loader"))
+
+
+@pytest.fixture(scope="module")
+def data(setup):
     _, target, _, ext, vocab = setup
     ds = HiddenStateDataset(ext, dtype=torch.float32)
     return ds, load_target_head(target, load_vocab(vocab).draft_ids, 1e-5)
@@ -93,3 +99,21 @@ def test_device_data_remembered_argmax_equals_shard_batches(data):
     for idx, max_len in (([3, 0, 17, 9], 64), ([30, 31], 25)):
         fresh = make_batch_fast([ds[i] for i in idx], head, CPU, max_len)
         same_batch(make_batch_device(dev, idx, head, max_len), fresh)
+
+
+def test_compiled_step_trains_as_the_uncompiled_one(setup, tmp_path):
+    """``train.compile: on`` (auto turns it on with CUDA only): inductor's kernels give the weights
+    of the uncompiled step to float32 rounding, and the run says it compiled."""
+    _, target, _, ext, vocab = setup
+    runs = {
+        c: train(make_cfg(epochs=1, compile=c), ext, vocab, target, tmp_path / c)
+        for c in ("off", "on")
+    }
+    assert runs["on"]["compiled"] and not runs["off"]["compiled"]
+    assert runs["on"]["steps"] == runs["off"]["steps"] > 2
+    w = {
+        c: load_file(str(tmp_path / c / "checkpoints" / "latest" / "model.safetensors"))
+        for c in runs
+    }
+    for k in w["off"]:
+        torch.testing.assert_close(w["on"][k], w["off"][k], rtol=1e-4, atol=1e-5)

@@ -1,14 +1,22 @@
-"""``torch.compile`` of the fast step's elementwise pieces (opt-in: ``bench/train.py --compile``).
+"""``torch.compile`` of the fast step's elementwise pieces (``train.compile``; ``bench/train.py
+--compile``).
 
 What eager PyTorch runs as many small kernels, compiled into a few: each RMSNorm (float32
 statistics, cast, scale), the MLP around its matmuls (SiLU x up), and the soft cross-entropy's
 forward and backward math. Dynamic shapes (sequence lengths vary from batch to batch and the
-logits shrink by one row per TTT step), so one compilation per piece serves the run. Off by
-default: on CPU the compile time (seconds per piece on 2 cores) is more than a short run saves,
-and on a GPU it is kept only where bench/train.py measures it faster (docs/benchmarks.md).
+logits shrink by one row per TTT step), so one compilation per piece serves the run. Per draft,
+nothing global: the compiled forwards are set on the draft's own modules and the loss math as
+``model.ce_impl``, which the fast step reads.
+
+``auto`` compiles on CUDA: measured faster on the H200 at both ends (docs/benchmarks.md, session 3:
+Kimi dims TTT 7 9,343 -> 10,734 tokens/s, SmolLM2 dims 52,558 -> 66,202), not under FSDP (not run
+on a GPU here) and not on the CPU, where compiling (seconds per piece on 2 cores) costs more than
+a short run saves.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -17,12 +25,28 @@ from eagle3.train import ttt_fast
 
 
 def compile_step(model: torch.nn.Module) -> None:
-    """Compile, in place, the draft's norms and MLP and the fast step's loss math."""
+    """Compile, in place, the draft's norms and MLP and (as ``model.ce_impl``) the fast step's
+    loss math."""
     for m in model.modules():
         if isinstance(m, (RMSNorm, MLP)):
             m.forward = torch.compile(m.forward, dynamic=True)  # type: ignore[method-assign]
-    ttt_fast.CE_IMPL["forward"] = torch.compile(ttt_fast._ce_forward, dynamic=True)
-    ttt_fast.CE_IMPL["backward"] = torch.compile(ttt_fast._ce_backward_functional, dynamic=True)
+    model.ce_impl = (
+        torch.compile(ttt_fast._ce_forward, dynamic=True),
+        torch.compile(ttt_fast._ce_backward_functional, dynamic=True),
+    )
 
 
-__all__ = ["compile_step"]
+def maybe_compile(
+    model: torch.nn.Module, setting: str, dev: torch.device, impl: str, mode: Any
+) -> bool:
+    """``train.compile`` resolved (on, off, or auto: CUDA, the fast step, not FSDP) and applied
+    with :func:`compile_step`; whether it was."""
+    on = impl == "fast" and (
+        setting == "on" or (setting == "auto" and dev.type == "cuda" and mode != "fsdp")
+    )
+    if on:
+        compile_step(model)
+    return on
+
+
+__all__ = ["compile_step", "maybe_compile"]

@@ -34,6 +34,7 @@ from eagle3.train.batch import (
     zero_weight,
 )
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
+from eagle3.train.compiled import maybe_compile
 from eagle3.train.device_data import DeviceData, fits, make_batch_device
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
 from eagle3.train.loader import Loader, open_extract
@@ -195,6 +196,7 @@ def _train(
             "batches_per_step": run.group,
         },
         "data_on_device": run.extra["data_on_device"],
+        "compiled": run.extra["compiled"],
         "loop_s": loop_s,
         "wall_s": round(time.time() - started, 2),
     }
@@ -267,8 +269,9 @@ def set_up(
     )
     model.to(dev)
     hold_frozen_bf16(model, dev)
-    head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
     impl = resolve_step_impl(tc.step_impl)
+    compiled = maybe_compile(model, tc.compile, dev, impl, d.mode)
+    head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
     net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay, impl)
     # fused AdamW (and its found_inf NaN guard) on CUDA; not under FSDP, whose DTensor
     # parameters have not been run through it on a GPU here (the host-side guard is used there)
@@ -297,6 +300,7 @@ def set_up(
         "global_batches": group,
         "world_size": d.world,
         "data_on_device": {"on": data is not None, "load_s": load_s},
+        "compiled": compiled,
         "train_config": tc.model_dump(mode="json"),
         "draft_config": model.config.to_dict(),
     }

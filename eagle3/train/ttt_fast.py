@@ -46,26 +46,29 @@ def _ce_backward_functional(
     return (g * grad.unsqueeze(-1)).to(logits.dtype)
 
 
-#: the loss's math; :func:`eagle3.train.compiled.compile_step` swaps in compiled versions
-CE_IMPL = {"forward": _ce_forward, "backward": _ce_backward}
+#: the loss's math (forward, backward); a compiled draft carries its own as ``model.ce_impl``
+#: (:func:`eagle3.train.compiled.compile_step`)
+CE_EAGER = (_ce_forward, _ce_backward)
 
 
 class SoftCrossEntropy(torch.autograd.Function):
     """Row-wise ``-sum_d P_d log softmax(x)_d`` for logits x [.., D] (any float dtype) and a
-    target distribution P [.., D] (float32; a view is fine: it is saved, never copied)."""
+    target distribution P [.., D] (float32; a view is fine: it is saved, never copied).
+    ``impl``: the (forward, backward) functions that compute it."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, logits: torch.Tensor, probs: torch.Tensor
+        ctx, logits: torch.Tensor, probs: torch.Tensor, impl: tuple = CE_EAGER
     ) -> torch.Tensor:
-        ce, psum = CE_IMPL["forward"](logits, probs)
+        ce, psum = impl[0](logits, probs)
         ctx.save_for_backward(logits, probs, psum)
+        ctx.backward_impl = impl[1]
         return ce
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         logits, probs, psum = ctx.saved_tensors
-        return CE_IMPL["backward"](logits, probs, psum, grad), None
+        return ctx.backward_impl(logits, probs, psum, grad), None, None
 
 
 def fast_unroll(model: DraftModel, batch: Batch, ttt_steps: int):
@@ -115,6 +118,7 @@ def fast_ttt_loss(
         denom = fast_counts(batch, ttt_steps).clamp(min=1).float()
     total = torch.zeros((), device=dev)
     sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=dev)
+    impl = getattr(model, "ce_impl", CE_EAGER)
     for i, logits in fast_unroll(model, batch, ttt_steps):
         k = 1 + i
         if k >= L:  # nothing left to predict (a batch shorter than the unroll)
@@ -122,7 +126,7 @@ def fast_ttt_loss(
             continue
         lg = logits  # [B, L - k, D]
         ok = batch.target_ok[:, k:]
-        ce = SoftCrossEntropy.apply(lg, batch.probs[:, k:])
+        ce = SoftCrossEntropy.apply(lg, batch.probs[:, k:], impl)
         ce_sum = (ce * ok).sum()
         total = total + (ttt_decay**i) * (ce_sum / denom[i])
         with torch.no_grad():
