@@ -111,7 +111,7 @@ def worker(tmp: Path) -> None:
             (tmp / f"{name}.json").write_text(json.dumps({"manifest": man, "log": log}))
         return man
 
-    run("ddp", "ddp")
+    run("ddp", "ddp", {"prefetch": "on"})  # the loader thread (auto: CUDA only) on each rank
     run("fsdp", "fsdp")
     part = run("fsdp-part", "fsdp", max_steps=PART_STEPS)
     assert part["complete"] is False
