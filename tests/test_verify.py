@@ -198,7 +198,7 @@ def test_ngram_section_report_and_plot(tmp_path):
     from eagle3.verify.runner import ngram_section, versus_ngram
     from tests.conftest import CPU_PROFILE
 
-    cfg = load_config(CPU_PROFILE, ["verify.concurrency=[1, 4]"])
+    cfg = load_config(CPU_PROFILE, ["verify.concurrency=[1, 4]", "verify.num_speculative_tokens=3"])
     seqs = [([1, 2, 3], [4, 1, 2, 3, 9, 9]), ([10, 11, 12, 13, 14], [10, 11, 12, 13, 14] * 4)]
     chains = [ngram_chains(p, o, 3) for p, o in seqs]
     props = [c for ch in chains for c, n in zip(ch, ch.proposed) if n]
@@ -350,7 +350,7 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
         out / "report.md"
     ).read_text()
 
-    k = 3
+    k = cfg.verify.num_speculative_tokens
     total_drafts = total_acc = 0.0
     for w in r["windows"]:
         for side in ("baseline", "speculative"):
