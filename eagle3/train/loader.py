@@ -51,6 +51,12 @@ def open_extract(
     return ds
 
 
+def prefetch_on(setting: str, device: torch.device) -> bool:
+    """``train.prefetch`` resolved: on / off, or auto (on CUDA; on the CPU the thread would take
+    a core from the step)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
 class Loader:
     """``batch(idx)``: the fast step's batch of samples ``idx`` (as
     :func:`eagle3.train.batch.make_batch_fast` builds it, the same values); ``prefetch(groups)``
@@ -119,4 +125,4 @@ class Loader:
         self._ahead.clear()
 
 
-__all__ = ["Loader", "open_extract"]
+__all__ = ["Loader", "open_extract", "prefetch_on"]

@@ -37,7 +37,7 @@ from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from eagle3.train.compiled import maybe_compile
 from eagle3.train.device_data import DeviceData, fits, make_batch_device
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
-from eagle3.train.loader import Loader, open_extract
+from eagle3.train.loader import Loader, open_extract, prefetch_on
 from eagle3.train.metrics import epoch_metrics, write_metrics
 from eagle3.train.optim import lr_at, make_optimizer
 from eagle3.train.progress import StepQueue, check_finite
@@ -289,7 +289,7 @@ def set_up(
     if data is not None:
         data.remember_argmax(head)
     load_s = round(time.time() - t0, 2)
-    prefetch = tc.prefetch == "on" or (tc.prefetch == "auto" and dev.type == "cuda")
+    prefetch = prefetch_on(tc.prefetch, dev)
     loader = (
         Loader(ds.__getitem__, head, dev, tc.max_seq_len, tc.loss_positions, prefetch)
         if data is None and impl == "fast"

@@ -16,6 +16,7 @@ batch of that sample runs the draft rows only (``arg=`` of :func:`target_distrib
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -33,12 +34,12 @@ class TargetHead:
     draft_ids: torch.Tensor  # [D] target ids of the draft rows (ascending)
     t2draft: torch.Tensor  # [V] int64: draft index of a target id, -1 if not in the draft vocab
     eps: float
-    draft_rows: torch.Tensor | None = None  # [D, H] lm_head[draft_ids] (gathered if not given)
 
-    def __post_init__(self) -> None:
-        # once, contiguous: the per-batch matmul once a sample's argmax is known
-        if self.draft_rows is None:
-            self.draft_rows = self.lm_head[self.draft_ids].contiguous()
+    @cached_property
+    def draft_rows(self) -> torch.Tensor:
+        """[D, H] lm_head[draft_ids], gathered once (contiguous) on the head's device at first
+        use: the per-batch matmul once a sample's argmax is known."""
+        return self.lm_head[self.draft_ids].contiguous()
 
     def to(self, device: torch.device | str) -> TargetHead:
         return TargetHead(
@@ -47,7 +48,6 @@ class TargetHead:
             self.draft_ids.to(device),
             self.t2draft.to(device),
             self.eps,
-            None if self.draft_rows is None else self.draft_rows.to(device),
         )
 
 
@@ -81,16 +81,14 @@ def target_distribution(
     n = final.shape[0]
     probs = torch.empty(n, head.draft_ids.numel(), dtype=torch.float32, device=final.device)
     out = torch.empty(n, dtype=torch.int64, device=final.device) if arg is None else arg.long()
-    rows = head.draft_rows
-    assert rows is not None  # set in __post_init__
     for a in range(0, n, chunk):
-        x = _normed(final[a : a + chunk], head, rows.dtype)
+        x = _normed(final[a : a + chunk], head, head.lm_head.dtype)
         if arg is None:
             logits = (x @ head.lm_head.T).float()  # [c, V]
             out[a : a + chunk] = head.t2draft[logits.argmax(-1)]
             logits = logits[:, head.draft_ids]
         else:
-            logits = (x @ rows.T).float()  # [c, D]
+            logits = (x @ head.draft_rows.T).float()  # [c, D]
         probs[a : a + chunk] = torch.softmax(logits, dim=-1)
     return probs, out
 
