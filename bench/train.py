@@ -66,6 +66,7 @@ from eagle3.train.step import (  # noqa: E402
 )
 from eagle3.train.step_fast import PendingStep  # noqa: E402
 from eagle3.train.target import target_argmax  # noqa: E402
+from eagle3.train.weight_cast import set_weight_cast  # noqa: E402
 
 SMOLLM2 = dict(
     hidden_size=576,
@@ -204,10 +205,12 @@ def parse() -> argparse.Namespace:
         help="CUDA: warn at every host sync during the measured steps (torch's sync debug mode)",
     )
     ap.add_argument(
-        "--autocast-cache",
-        action="store_true",
-        help="fast step with autocast's weight-cast cache (bf16 sum of the TTT steps' weight "
-        "gradients): what fp32 accumulation costs",
+        "--weight-cast",
+        choices=["auto", "once", "per_use", "cache"],
+        default="auto",
+        help="train.weight_cast (CUDA): once = one bf16 weight copy per forward, fp32 sum of "
+        "the TTT steps' weight gradients (auto for the fast step); per_use = autocast casting at "
+        "every use; cache = autocast's cache (bf16 sum)",
     )
     ap.add_argument(
         "--prefetch",
@@ -283,7 +286,9 @@ def main() -> None:
         [make_sample((rank + j * world) * batch + k, seq, h, v, state_dtype) for k in range(batch)]
         for j in range(accum)
     ]
-    autocast = make_autocast(dev, "eager" if args.autocast_cache else impl, args.sdpa)
+    weight_cast = set_weight_cast(model, args.weight_cast, dev, impl, dist_info.mode)
+    say(f"weight cast: {weight_cast}; compiled: {args.compile}")
+    autocast = make_autocast(dev, weight_cast, args.sdpa)
     # the fast step's batches as the train stage builds them from the shards: the loader (argmax
     # once per sample, then the draft rows; the next step padded on a thread where it picks it)
     prefetch = prefetch_on(args.prefetch, dev)
@@ -365,7 +370,7 @@ def argmax_once_ms(samples: list, head: TargetHead, dev: torch.device) -> float:
 
 def locals_for_report(scope: dict) -> dict:
     keys = "cfg model params dev dt batch seq accum ttt steps rank world dist_info phases losses"
-    more = {k: scope[k] for k in ("impl", "multi", "argmax_ms")}
+    more = {k: scope[k] for k in ("impl", "multi", "argmax_ms", "weight_cast")}
     return {k: scope[k] for k in keys.split()} | more
 
 
@@ -426,7 +431,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
         )
     result = {
         "impl": r["impl"],
-        "autocast_cache": args.autocast_cache,
+        "weight_cast": r["weight_cast"],
         "compile": args.compile,
         "arch": args.arch,
         "kimi": args.kimi,

@@ -65,23 +65,27 @@ match() {  # name, seconds, bench/train_match.py arguments
     local rc=$?
     local got
     got=$($PY -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["fast_vs_eager"],
-"vs fp32: eager", r["eager"]["grad_vs_fp32"]["overall"], r["eager"]["loss_rel"],
-"fast", r["fast"]["grad_vs_fp32"]["overall"], r["fast"]["loss_rel"])' "$RES/$name.json" 2>&1)
+"once vs per_use", r["once_vs_per_use"]["overall"], "vs fp32: eager",
+r["eager"]["grad_vs_fp32"]["overall"], r["eager"]["loss_rel"], "fast",
+r["fast"]["grad_vs_fp32"]["overall"], r["fast"]["loss_rel"], "fast_per_use",
+r["fast_per_use"]["grad_vs_fp32"]["overall"])' "$RES/$name.json" 2>&1)
     pack "$name rc=$rc t=$(($(date +%s) - START))s $got"
 }
 
-# session 9's order: the issue's acceptance runs first (the loader: argmax once per sample, the
-# next batch padded on a thread; frozen head as speculators trains it; compile without the
-# autocast cache, so the TTT steps' weight gradients still sum in fp32)
+# the issue's acceptance runs first (the loader: argmax once per sample, the next batch padded on
+# a thread; frozen head as speculators trains it; the stage's weight cast "once": one bf16 copy
+# per forward, the TTT steps' weight gradients summed in fp32), then the same with autocast
+# casting at every use (session 8's fast step) and with autocast's cache (bf16 sum)
 run kimi-fast-ttt7 90 $K --ttt 7 --profile
 run kimi-fast-ttt7-frozen-compile 150 $K --ttt 7 --freeze-head --compile --profile
 run kimi-fast-ttt3-frozen-compile 120 $K --ttt 3 --freeze-head --compile
-run kimi-fast-ttt7-frozen-compile-noprefetch 150 $K --ttt 7 --freeze-head --compile --prefetch off
+run kimi-fast-ttt7-frozen-compile-peruse 150 $K --ttt 7 --freeze-head --compile --weight-cast per_use
 run kimi-mla-fast-ttt7 70 $K --arch mla --ttt 7
 run smollm2-fast-ttt3-b16 60 $S --ttt 3 --batch 16
 run smollm2-fast-ttt3-b16-compile 120 $S --ttt 3 --batch 16 --compile
-run kimi-fast-ttt7-frozen-compile-cache 150 $K --ttt 7 --freeze-head --compile --autocast-cache
+run kimi-fast-ttt7-frozen-compile-cache 150 $K --ttt 7 --freeze-head --compile --weight-cast cache
 match match-kimi-ttt3 70 $M --ttt 3
+run kimi-fast-ttt7-frozen-compile-noprefetch 150 $K --ttt 7 --freeze-head --compile --prefetch off
 run kimi-eager-ttt7 90 $K --ttt 7 --impl eager --profile
 run kimi-fast-ttt3 60 $K --ttt 3
 run kimi-mla-eager-ttt7 70 $K --arch mla --ttt 7 --impl eager

@@ -5,8 +5,9 @@
     .venv/bin/python bench/train_match.py --seq 128          # CPU: SmolLM2 dims, float32
 
 One batch, the same initial weights; loss and every parameter gradient of ``eager`` and ``fast``
-under the train stage's autocast (on CUDA: bf16), and of ``eager`` in float32 without autocast
-as the ground truth, so the bf16 error of the fast step is seen next to the reference's own.
+under the train stage's autocast (on CUDA: bf16; the fast step also with autocast casting the
+weights at every use, ``fast_per_use``), and of ``eager`` in float32 without autocast as the
+ground truth, so the bf16 error of the fast step is seen next to the reference's own.
 Gradient error: ||g - g_ref|| / ||g_ref|| per parameter, the worst parameter and the
 norm-weighted overall figure.
 """
@@ -30,6 +31,7 @@ from train import build, make_sample  # noqa: E402
 from eagle3.train.batch import make_batch_fast  # noqa: E402
 from eagle3.train.step import make_autocast  # noqa: E402
 from eagle3.train.ttt import TTTObjective  # noqa: E402
+from eagle3.train.weight_cast import set_weight_cast  # noqa: E402
 
 
 def run(model, batch, ttt: int, impl: str, autocast) -> tuple[float, dict[str, torch.Tensor]]:
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--arch", choices=["llama", "mla"], default="llama")
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--ttt", type=int, default=3)
+    ap.add_argument("--freeze-head", action="store_true", help="train.freeze_head")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,11 +71,24 @@ def main() -> None:
     ref_batch = dataclasses.replace(batch, aux=batch.aux.float())
     loss_ref, g_ref = run(model, ref_batch, args.ttt, "eager", fp32)
     results["loss_fp32_eager"] = loss_ref
-    for impl in ("eager", "fast"):
-        loss, g = run(model, batch, args.ttt, impl, make_autocast(dev, impl))
-        results[impl] = {"loss": loss, "loss_rel": abs(loss - loss_ref) / abs(loss_ref)}
-        results[impl]["grad_vs_fp32"] = compare(g, g_ref)
-        results[impl]["grads"] = g
+    # the stage's settings for each step (fast: one bf16 weight copy, fp32 gradient sum), and the
+    # fast step with autocast casting at every use, which "once" must match up to add order
+    for name, impl, cast in (
+        ("eager", "eager", "auto"),
+        ("fast", "fast", "auto"),
+        ("fast_per_use", "fast", "per_use"),
+    ):
+        wc = set_weight_cast(model, cast, dev, impl, None)
+        loss, g = run(model, batch, args.ttt, impl, make_autocast(dev, wc))
+        results[name] = {
+            "weight_cast": wc,
+            "loss": loss,
+            "loss_rel": abs(loss - loss_ref) / abs(loss_ref),
+        }
+        results[name]["grad_vs_fp32"] = compare(g, g_ref)
+        results[name]["grads"] = g
+    once, per_use = results["fast"]["grads"], results["fast_per_use"].pop("grads")
+    results["once_vs_per_use"] = compare(once, per_use)
     results["fast_vs_eager"] = {
         "loss_rel": abs(results["fast"]["loss"] - results["eager"]["loss"])
         / abs(results["eager"]["loss"]),

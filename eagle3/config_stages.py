@@ -197,6 +197,15 @@ class TrainConfig(_Section):
         "time outweighs a short run.",
         json_schema_extra=UNKEYED,
     )
+    weight_cast: Literal["auto", "once", "per_use", "cache"] = Field(
+        "auto",
+        description="CUDA, bf16 autocast: how the TTT steps use the fp32 weights "
+        "(eagle3/train/weight_cast.py). once: one bf16 copy per forward, the steps' weight "
+        "gradients summed in fp32 (the fast step); per_use: autocast casts at every use (fp32 "
+        "sum, more time and memory); cache: autocast's cache (the steps' gradients summed in "
+        "bf16). auto: once for the fast step except under FSDP (per_use), cache for the eager one.",
+        json_schema_extra=UNKEYED,
+    )
     sdpa: Literal["no_cudnn", "auto"] = Field(
         "no_cudnn",
         description="CUDA: the attention kernels the step may use. no_cudnn: flash or "

@@ -136,7 +136,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm, computed in float32 (as vLLM and HF do), cast back, then scaled."""
+    """Llama RMSNorm, computed in float32 (as vLLM and HF do), cast back, then scaled in the
+    input's dtype (as vLLM serves it: bf16 activations, bf16 weight). The fp32 master weight is
+    cast for the product, so bf16 activations stay bf16 under autocast instead of being promoted
+    to fp32 (and cast back by every projection that reads them); fp32 runs are unchanged."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -147,20 +150,26 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.weight.to(dtype) * xf.to(dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
-    """vLLM's LlamaMLP / DeepseekV2MLP: SiLU-gated, no biases."""
+    """vLLM's LlamaMLP / DeepseekV2MLP: SiLU-gated, no biases. ``act`` is the elementwise part
+    alone, so that ``train.compile`` can fuse it while the projections stay plain modules."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 def attend(

@@ -2,9 +2,12 @@
 --compile``).
 
 What eager PyTorch runs as many small kernels, compiled into a few: each RMSNorm (float32
-statistics, cast, scale), the MLP around its matmuls (SiLU x up), and the soft cross-entropy's
-forward and backward math. Dynamic shapes (sequence lengths vary from batch to batch and the
-logits shrink by one row per TTT step), so one compilation per piece serves the run. Per draft,
+statistics, cast, scale), the MLP's SiLU x up, and the soft cross-entropy's forward and backward
+math. The projections stay outside the compiled code: they are plain matmuls either way, and the
+fast step swaps their forward for one that shares a bf16 weight copy across the TTT steps
+(:mod:`eagle3.train.weight_cast`), which a compiled graph would capture once and then guard on.
+Dynamic shapes (sequence lengths vary from batch to batch and the logits shrink by one row per
+TTT step), so one compilation per piece serves the run. Per draft,
 nothing global: the compiled forwards are set on the draft's own modules and the loss math as
 ``model.ce_impl``, which the fast step reads.
 
@@ -20,16 +23,19 @@ from typing import Any
 
 import torch
 
-from eagle3.draft.common import MLP, RMSNorm
+from eagle3.draft.common import MLP, RMSNorm, silu_mul
 from eagle3.train import ttt_fast
 
 
 def compile_step(model: torch.nn.Module) -> None:
-    """Compile, in place, the draft's norms and MLP and (as ``model.ce_impl``) the fast step's
-    loss math."""
+    """Compile, in place, the draft's norms, its MLP's activation and (as ``model.ce_impl``) the
+    fast step's loss math."""
+    act = torch.compile(silu_mul, dynamic=True)
     for m in model.modules():
-        if isinstance(m, (RMSNorm, MLP)):
+        if isinstance(m, RMSNorm):
             m.forward = torch.compile(m.forward, dynamic=True)  # type: ignore[method-assign]
+        elif isinstance(m, MLP):
+            m.act = act
     model.ce_impl = (
         torch.compile(ttt_fast._ce_forward, dynamic=True),
         torch.compile(ttt_fast._ce_backward_functional, dynamic=True),

@@ -44,6 +44,7 @@ from eagle3.train.progress import StepQueue, check_finite
 from eagle3.train.step import make_autocast, resolve_step_impl, train_step_async
 from eagle3.train.step_fast import PendingStep, StepResult
 from eagle3.train.target import TargetHead, init_head_from_target, load_target_head
+from eagle3.train.weight_cast import set_weight_cast
 from eagle3.vocab import VocabMapping, load_vocab
 
 
@@ -197,6 +198,7 @@ def _train(
         },
         "data_on_device": run.extra["data_on_device"],
         "compiled": run.extra["compiled"],
+        "weight_cast": run.extra["weight_cast"],
         "loop_s": loop_s,
         "wall_s": round(time.time() - started, 2),
     }
@@ -271,6 +273,7 @@ def set_up(
     hold_frozen_bf16(model, dev)
     impl = resolve_step_impl(tc.step_impl)
     compiled = maybe_compile(model, tc.compile, dev, impl, d.mode)
+    weight_cast = set_weight_cast(model, tc.weight_cast, dev, impl, d.mode)
     head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
     net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay, impl)
     # fused AdamW (and its found_inf NaN guard) on CUDA; not under FSDP, whose DTensor
@@ -301,6 +304,7 @@ def set_up(
         "world_size": d.world,
         "data_on_device": {"on": data is not None, "load_s": load_s},
         "compiled": compiled,
+        "weight_cast": weight_cast,
         "train_config": tc.model_dump(mode="json"),
         "draft_config": model.config.to_dict(),
     }
@@ -351,7 +355,7 @@ def run_epochs(
     Checkpoints every ``checkpoint_every_steps`` and after each epoch. One step is in flight
     (:class:`~eagle3.train.progress.StepQueue`): its metrics are read once the next is queued."""
     tc, d = run.cfg.train, run.d
-    autocast = make_autocast(run.dev, run.impl, tc.sdpa)
+    autocast = make_autocast(run.dev, run.extra["weight_cast"], tc.sdpa)
     run.model.train()
     queue = StepQueue(state, run.total_steps, on_progress if d.main else None)
     while state.epoch < tc.epochs:

@@ -110,14 +110,15 @@ def train_step_async(
     return StepResult(total, per_step, gnorm, finite)
 
 
-def make_autocast(dev: torch.device, impl: str, sdpa: str = "no_cudnn") -> Any:
-    """bf16 autocast on CUDA, plus the attention kernels SDPA may pick (``train.sdpa``). The
-    fast step turns off autocast's weight-cast cache: each TTT step casts the fp32 weights
-    itself, so the backward of each cast hands its gradient to the fp32 ``.grad`` (the steps'
-    weight gradients add up in fp32, not in one cached bf16 copy)."""
+def make_autocast(dev: torch.device, weight_cast: str, sdpa: str = "no_cudnn") -> Any:
+    """bf16 autocast on CUDA, plus the attention kernels SDPA may pick (``train.sdpa``).
+    Autocast's weight-cast cache is on for ``weight_cast == "cache"`` only (the reference step:
+    one bf16 copy whose TTT-step gradients sum in bf16); ``per_use`` casts at every use and
+    ``once`` casts in the fast step itself (:mod:`eagle3.train.weight_cast`), both summing the
+    steps' weight gradients in fp32."""
     if dev.type != "cuda":
         return torch.autocast("cpu", enabled=False)
-    cast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=impl != "fast")
+    cast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=weight_cast == "cache")
     return cast if sdpa == "auto" else StepContext(cast)
 
 

@@ -12,6 +12,8 @@ Same alignment, attention pattern, loss, weights and denominators as the referen
   per batch (:func:`eagle3.train.batch.make_batch`).
 - loss: :class:`SoftCrossEntropy` computes ``lse(x) sum(P) - P.x`` and its gradient
   ``(softmax(x) sum(P) - P) g`` directly: no float32 log-softmax kept per step.
+- weights: each trainable projection cast to bf16 once per forward, the steps' weight gradients
+  summed in fp32 (:mod:`eagle3.train.weight_cast`; under autocast, where the run asks for it).
 - metrics: per-step sums (CE, correct, count) stay on the device as one ``[3, K]`` tensor; no
   ``int()``/``float()`` inside the step.
 """
@@ -23,6 +25,7 @@ import torch
 from eagle3.draft import DraftModel
 from eagle3.draft.ttt_attention import TTTPrefix
 from eagle3.train.batch import Batch, shift_left
+from eagle3.train.weight_cast import cast_context
 
 
 def _ce_forward(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,21 +122,22 @@ def fast_ttt_loss(
     total = torch.zeros((), device=dev)
     sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=dev)
     impl = getattr(model, "ce_impl", CE_EAGER)
-    for i, logits in fast_unroll(model, batch, ttt_steps):
-        k = 1 + i
-        if k >= L:  # nothing left to predict (a batch shorter than the unroll)
-            total = total + 0.0 * logits.sum()
-            continue
-        lg = logits  # [B, L - k, D]
-        ok = batch.target_ok[:, k:]
-        ce = SoftCrossEntropy.apply(lg, batch.probs[:, k:], impl)
-        ce_sum = (ce * ok).sum()
-        total = total + (ttt_decay**i) * (ce_sum / denom[i])
-        with torch.no_grad():
-            correct = ((lg.argmax(-1) == batch.target_arg[:, k:]) & ok).sum()
-            sums[:, i] = torch.stack(
-                [ce_sum.detach().double(), correct.double(), ok.sum().double()]
-            )
+    with cast_context(model, dev.type):
+        for i, logits in fast_unroll(model, batch, ttt_steps):
+            k = 1 + i
+            if k >= L:  # nothing left to predict (a batch shorter than the unroll)
+                total = total + 0.0 * logits.sum()
+                continue
+            lg = logits  # [B, L - k, D]
+            ok = batch.target_ok[:, k:]
+            ce = SoftCrossEntropy.apply(lg, batch.probs[:, k:], impl)
+            ce_sum = (ce * ok).sum()
+            total = total + (ttt_decay**i) * (ce_sum / denom[i])
+            with torch.no_grad():
+                correct = ((lg.argmax(-1) == batch.target_arg[:, k:]) & ok).sum()
+                sums[:, i] = torch.stack(
+                    [ce_sum.detach().double(), correct.double(), ok.sum().double()]
+                )
     return total, sums
 
 
