@@ -4,11 +4,12 @@ the target's full-vocab argmax kept per sample after its first batch.
 Why (issue 15): at Kimi-K2.5 dims one 2,048-token sample is 88 MB of padded bf16 states, and
 padding it into pinned memory in the step's own thread, plus the 163,840-row target head, was the
 "batch" phase of a ~160 ms step on the H200 (11.5 ms at TTT 7). Here the host work of the next
-step (reading the shards, padding) runs on a thread while this step runs; the copy to the device
-and the target distribution stay on the caller's thread, so the CUDA stream order is the loop's.
-The argmax of a stored token never changes, so from a sample's second batch on only the draft
-rows of the target head run (32,000 of 163,840 for Kimi; 8,192 of 49,152 for SmolLM2). It costs
-4 bytes a token of device memory (36 MB for 9 M tokens).
+step (reading the shards, padding) runs on a thread while this step runs, and on a GPU so does
+its copy to the device, on a side stream that the compute stream waits for (on the GPU, not the
+host); the target distribution stays on the caller's thread and stream. The argmax of a stored
+token never changes, so from a sample's second batch on only the draft rows of the target head
+run (32,000 of 163,840 for Kimi; 8,192 of 49,152 for SmolLM2). It costs 4 bytes a token of
+device memory (36 MB for 9 M tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,6 +59,24 @@ def prefetch_on(setting: str, device: torch.device) -> bool:
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
+@dataclass
+class Copied:
+    """A padded batch already on its way to the GPU on the loader's stream."""
+
+    tensors: tuple[torch.Tensor, ...]  # ids, mask, aux, final, valid
+    lens: list[int]
+    ready: torch.cuda.Event
+
+    def take(self) -> tuple[torch.Tensor, ...]:
+        """The tensors, for the current (compute) stream: it waits for the copy (on the GPU, the
+        host does not block), and the allocator is told they are used there."""
+        stream = torch.cuda.current_stream(self.tensors[0].device)
+        stream.wait_event(self.ready)
+        for t in self.tensors:
+            t.record_stream(stream)
+        return self.tensors
+
+
 class Loader:
     """``batch(idx)``: the fast step's batch of samples ``idx`` (as
     :func:`eagle3.train.batch.make_batch_fast` builds it, the same values); ``prefetch(groups)``
@@ -79,11 +99,21 @@ class Loader:
         self.max_seq_len, self.positions, self.chunk = max_seq_len, positions, chunk
         self.pin = device.type == "cuda" and torch.cuda.is_available()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eagle3-loader") if prefetch else None
-        self._ahead: dict[tuple[int, ...], Future[Padded]] = {}
+        # the thread's copies to the GPU go on their own stream: they overlap the step running
+        # on the compute stream instead of queueing behind it (a Kimi sample: ~117 MB, ~2-5 ms)
+        self._stream = torch.cuda.Stream(device) if self.pin and prefetch else None
+        self._ahead: dict[tuple[int, ...], Future[Padded | Copied]] = {}
         self._arg: dict[int, torch.Tensor] = {}  # sample -> [n] int32 on the device
 
-    def _host(self, idx: list[int]) -> Padded:
-        return pad_samples([self.sample(i) for i in idx], self.max_seq_len, self.pin)
+    def _host(self, idx: list[int]) -> Padded | Copied:
+        host = pad_samples([self.sample(i) for i in idx], self.max_seq_len, self.pin)
+        if self._stream is None:
+            return host
+        with torch.cuda.stream(self._stream):
+            tensors = host.to(self.device)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return Copied(tensors, host.lens, ready)
 
     def prefetch(self, groups: list[list[int]]) -> None:
         """Start padding each batch of ``groups`` on the loader thread (in order)."""
@@ -99,7 +129,10 @@ class Loader:
         if ahead is None and self._pool is not None:  # every shard read on the one thread
             ahead = self._pool.submit(self._host, idx)
         host = ahead.result() if ahead is not None else self._host(idx)
-        ids, mask, aux, final, valid = host.to(self.device)
+        if isinstance(host, Copied):
+            ids, mask, aux, final, valid = host.take()
+        else:
+            ids, mask, aux, final, valid = host.to(self.device)
         known = all(i in self._arg and self._arg[i].numel() >= n for i, n in zip(idx, host.lens))
         arg = self._stacked(idx, host.lens) if known else None
         b = batch_from_padded(
