@@ -213,3 +213,27 @@ def test_step_context_keeps_sdpa_off_cudnn_and_is_reusable():
         with ctx:
             out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         torch.testing.assert_close(out, plain)
+
+
+def test_clip_folded_into_fused_adamw():
+    """The fast step with fused AdamW clips through its grad_scale (no pass of its own over the
+    gradients): the same weights as clip_grad_norm_ + the foreach AdamW over three steps, with
+    the clip engaged (the norm above train.grad_clip); the reported norm is the pre-clip one."""
+    h = head()
+    batches = [make_batch_fast(samples([21, 30]), h, torch.device("cpu"), 64)]
+    cpu = torch.autocast("cpu", enabled=False)
+    out = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = llama()
+        net = TTTObjective(model, 3, 0.8, "fast")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(model, 1e-2, 0.01, fused=fused)
+        norms = [train_step(net, opt, params, batches, Dist(), 3, 0.8, 0.5, cpu).grad_norm]
+        norms += [train_step(net, opt, params, batches, Dist(), 3, 0.8, 0.5, cpu).grad_norm]
+        assert hasattr(opt, "grad_scale") == fused
+        out.append((norms, [p.detach().clone() for p in params]))
+    (n_ref, w_ref), (n_fold, w_fold) = out
+    assert min(n_ref) > 0.5 * 2  # clipped by more than 2x
+    assert all(abs(a - b) < 1e-5 * a for a, b in zip(n_ref, n_fold))
+    assert max(rel(a, b) for a, b in zip(w_fold, w_ref)) < 1e-4  # fused vs foreach order

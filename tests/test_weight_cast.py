@@ -108,7 +108,6 @@ def test_once_under_compile_as_the_gpu_runs_it():
     l_comp, g_comp = run(model, b, "once")
     assert abs(l_comp[0] - l_eager[0]) / abs(l_eager[0]) < 2e-2
     worst = max(
-        float((g_comp[n] - g_eager[n]).norm() / g_eager[n].norm().clamp(min=1e-30))
-        for n in g_eager
+        float((g_comp[n] - g_eager[n]).norm() / g_eager[n].norm().clamp(min=1e-30)) for n in g_eager
     )
     assert worst < 2e-2, worst

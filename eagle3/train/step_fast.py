@@ -99,10 +99,28 @@ def forward_backward(
         yield stats
 
 
+def is_fused(opt: torch.optim.Optimizer) -> bool:
+    return all(g.get("fused") for g in opt.param_groups)
+
+
+def clip_gradients(opt: torch.optim.Optimizer, params: list[torch.Tensor], clip: float):
+    """The gradients' global norm (before clipping), and the clip to ``clip``. A fused AdamW
+    applies the clip itself: the factor goes in as its ``grad_scale`` (what GradScaler uses to
+    unscale; the kernel divides each gradient as it reads it), which saves a read and a write
+    of every gradient (~3 GB at Kimi dims). Else ``clip_grad_norm_`` (same factor: the norm over
+    ``clip``, at least 1)."""
+    if not is_fused(opt) or not isinstance(opt, torch.optim.Optimizer):
+        gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
+        return gnorm.full_tensor() if isinstance(gnorm, DTensor) else gnorm
+    gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    opt.grad_scale = ((gnorm + 1e-6) / clip).clamp(min=1.0).float()  # type: ignore[attr-defined]
+    return gnorm
+
+
 def step_if_finite(opt: torch.optim.Optimizer, finite: torch.Tensor) -> None:
     """``opt.step()`` only where ``finite``: on the device for a fused optimizer (its
     ``found_inf``, as GradScaler uses it: no update, step count unchanged), else on the host."""
-    if all(g.get("fused") for g in opt.param_groups):
+    if is_fused(opt):
         opt.found_inf = (~finite).float()  # type: ignore[attr-defined]
         opt.step()
     elif bool(finite):
@@ -134,9 +152,7 @@ def fast_train_step(
     # computed on the device: torch.tensor(list, device=cuda) is a blocking host copy
     decay = ttt_decay ** torch.arange(ttt_steps, dtype=torch.float64, device=sums.device)
     total = (decay * sums[0] / sums[2].clamp(min=1)).sum()
-    gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    if isinstance(gnorm, DTensor):
-        gnorm = gnorm.full_tensor()
+    gnorm = clip_gradients(opt, params, grad_clip)
     finite = torch.isfinite(total) & torch.isfinite(gnorm)
     step_if_finite(opt, finite)
     opt.zero_grad(set_to_none=True)
@@ -150,6 +166,7 @@ __all__ = [
     "StepResult",
     "fast_train_step",
     "forward_backward",
+    "clip_gradients",
     "global_denominator",
     "step_if_finite",
 ]
