@@ -111,3 +111,20 @@ def test_once_under_compile_as_the_gpu_runs_it():
         float((g_comp[n] - g_eager[n]).norm() / g_eager[n].norm().clamp(min=1e-30)) for n in g_eager
     )
     assert worst < 2e-2, worst
+
+
+def test_each_weight_gets_one_accumulation_per_backward():
+    """What DDP's reducer hooks on (the parameter's gradient accumulation) fires once per weight
+    per backward, with the fp32 sum of all TTT steps: the anchor runs after every use."""
+    torch.manual_seed(0)
+    model = llama()
+    b = [make_batch_fast(samples([29, 17]), head(), torch.device("cpu"), 64)]
+    fired: dict[str, int] = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                lambda _p, n=n: fired.__setitem__(n, fired.get(n, 0) + 1)
+            )
+    run(model, b * 2, "once")  # two micro-batches
+    assert fired and set(fired.values()) == {2}, fired
+    assert len(fired) == sum(p.requires_grad for p in model.parameters())
