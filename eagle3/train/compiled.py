@@ -7,9 +7,9 @@ math. The projections stay outside the compiled code: they are plain matmuls eit
 fast step swaps their forward for one that shares a bf16 weight copy across the TTT steps
 (:mod:`eagle3.train.weight_cast`), which a compiled graph would capture once and then guard on.
 Dynamic shapes (sequence lengths vary from batch to batch and the logits shrink by one row per
-TTT step), so one compilation per piece serves the run. Per draft,
-nothing global: the compiled forwards are set on the draft's own modules and the loss math as
-``model.ce_impl``, which the fast step reads.
+TTT step), so one compilation per piece serves the run. Per draft, nothing global: the compiled
+forwards are set on the draft's own modules and the loss math as ``model.ce_impl``, which the
+fast step reads.
 
 ``auto`` compiles on CUDA: measured faster on the H200 at both ends (docs/benchmarks.md, session 3:
 Kimi dims TTT 7 9,343 -> 10,734 tokens/s, SmolLM2 dims 52,558 -> 66,202), not under FSDP (not run

@@ -196,9 +196,7 @@ def _train(
             "grad_accum": tc.grad_accum,
             "batches_per_step": run.group,
         },
-        "data_on_device": run.extra["data_on_device"],
-        "compiled": run.extra["compiled"],
-        "weight_cast": run.extra["weight_cast"],
+        **{k: run.extra[k] for k in ("data_on_device", "compiled", "weight_cast")},
         "loop_s": loop_s,
         "wall_s": round(time.time() - started, 2),
     }

@@ -100,16 +100,19 @@ def forward_backward(
 
 
 def is_fused(opt: torch.optim.Optimizer) -> bool:
+    """Whether every group runs the fused AdamW kernel (not Muon's, not foreach)."""
     return all(g.get("fused") for g in opt.param_groups)
 
 
-def clip_gradients(opt: torch.optim.Optimizer, params: list[torch.Tensor], clip: float):
+def clip_gradients(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], clip: float
+) -> torch.Tensor:
     """The gradients' global norm (before clipping), and the clip to ``clip``. A fused AdamW
     applies the clip itself: the factor goes in as its ``grad_scale`` (what GradScaler uses to
     unscale; the kernel divides each gradient as it reads it), which saves a read and a write
     of every gradient (~3 GB at Kimi dims). Else ``clip_grad_norm_`` (same factor: the norm over
     ``clip``, at least 1)."""
-    if not is_fused(opt) or not isinstance(opt, torch.optim.Optimizer):
+    if not is_fused(opt):
         gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
         return gnorm.full_tensor() if isinstance(gnorm, DTensor) else gnorm
     gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -164,9 +167,9 @@ __all__ = [
     "Marks",
     "PendingStep",
     "StepResult",
+    "clip_gradients",
     "fast_train_step",
     "forward_backward",
-    "clip_gradients",
     "global_denominator",
     "step_if_finite",
 ]
