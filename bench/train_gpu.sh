@@ -79,7 +79,7 @@ r["fast_per_use"]["grad_vs_fp32"]["overall"])' "$RES/$name.json" 2>&1)
 run kimi-fast-ttt7 90 $K --ttt 7 --profile
 run kimi-fast-ttt7-frozen-compile 150 $K --ttt 7 --freeze-head --compile --profile
 run kimi-fast-ttt3-frozen-compile 120 $K --ttt 3 --freeze-head --compile
-run kimi-fast-ttt7-frozen-compile-peruse 150 $K --ttt 7 --freeze-head --compile --weight-cast per_use
+run kimi-fast-ttt7-frozen-compile-peruse 150 $K --ttt 7 --freeze-head --compile --weight-cast per_use --profile
 run kimi-mla-fast-ttt7 70 $K --arch mla --ttt 7
 run smollm2-fast-ttt3-b16 60 $S --ttt 3 --batch 16
 run smollm2-fast-ttt3-b16-compile 120 $S --ttt 3 --batch 16 --compile
