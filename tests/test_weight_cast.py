@@ -1,11 +1,12 @@
 """``train.weight_cast: once`` (eagle3/train/weight_cast.py) in bf16, on the CPU's autocast.
 
 The H200 runs the fast step under CUDA autocast; the CPU's bf16 autocast runs the same ops, so
-what "once" must keep is checked here: the same loss and gradients as autocast casting at every
-use (``per_use``, fp32 sum of the TTT steps' weight gradients; stated tolerance: 1e-6 relative,
-only the order of the fp32 adds may differ; measured: bit-identical), closer to that than
-autocast's bf16 cache is, gradients accumulated over micro-batches, frozen weights untouched,
-and every Linear's forward restored afterwards.
+what "once" must keep is checked here: the same loss as autocast casting at every use
+(``per_use``) and the same gradients within bf16 rounding (stated: 1e-2 relative per parameter;
+measured 2.3e-3 Llama, 2.0e-3 MLA), closer to float32 than both ``per_use`` and autocast's bf16
+cache (its one fp32 GEMM over all TTT steps rounds nothing per step: summed error 0.0275 against
+0.0285 and 0.0299, Llama), gradients accumulated over micro-batches, one accumulation per weight
+per backward, frozen weights untouched, every Linear's forward restored afterwards.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run(model, batches, cast: str, ttt: int = 3):
 
 
 @pytest.mark.parametrize("build", [llama, mla], ids=["llama", "mla"])
-def test_once_matches_autocast_per_use_and_beats_its_cache(build):
+def test_once_matches_autocast_per_use_and_is_closer_to_fp32(build):
     torch.manual_seed(0)
     model = build()
     h = head()
@@ -53,13 +54,14 @@ def test_once_matches_autocast_per_use_and_beats_its_cache(build):
     assert g_once.keys() == g_use.keys() == g_ref.keys() and len(g_ref) > 10
     assert all(g.dtype == torch.float32 for g in g_once.values())
     worst = max(rel(g_once[n], g_use[n]) for n in g_use)
-    assert worst < 1e-6, worst
-    # bf16 is bf16: all three are close to fp32; the bf16 sum of the cache is the furthest
+    assert worst < 1e-2, worst
+    # bf16 is bf16: all three are close to fp32 (the forward's bf16 activations dominate); the
+    # one fp32 GEMM is the closest, the bf16 sum of the cache the furthest
     err = {
         k: sum(float((g[n] - g_ref[n]).norm()) for n in g_ref)
-        for k, g in (("once", g_once), ("cache", g_cache))
+        for k, g in (("once", g_once), ("per_use", g_use), ("cache", g_cache))
     }
-    assert err["once"] <= err["cache"] * 1.001, err
+    assert err["once"] < err["per_use"] < err["cache"], err
     assert all(abs(a - b) / abs(b) < 2e-2 for a, b in zip(l_once, l_ref, strict=True))
 
 

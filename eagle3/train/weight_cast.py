@@ -11,13 +11,19 @@ step multiplies the same weights. Autocast offers two ways to run that, both cos
 - ``cache`` (autocast's cache on, the reference step): one cast, but all uses share that bf16
   tensor, so autograd sums the 7 steps' weight gradients in bf16 before the one cast to fp32.
 
-``once`` (here): one bf16 copy per weight per forward, saved once for the backward; each use's
-bf16 weight gradient (what the per-use path computes, bit for bit) is added into one fp32 sum as
-soon as it exists; an anchor node hands the sum to the parameter after the last use's backward
-(autograd runs a node only after everything that feeds it), so ``.grad``, DDP's hooks,
-accumulation over micro-batches and clipping see an ordinary fp32 gradient. Per use that is 2
-bytes written by the GEMM plus 10 for the fp32 add, about as much memory traffic as the cache's
-bf16 adds and half the per-use path's. Same result as ``per_use`` up to the order of the adds.
+``once`` (here): one bf16 copy per weight per forward, saved once for the backward. The weight
+gradient is not computed use by use: each use's backward computes its input gradient and keeps
+its output gradient g_i and its input x_i (saved for the backward anyway), and an anchor node,
+which autograd runs only after every use's backward, computes ``[g_0; g_1; ...]^T [x_0; x_1; ...]``
+as ONE GEMM with float32 output (cuBLAS accumulates in fp32 over all the steps' rows) and hands it
+to the parameter. So ``.grad``, DDP's hooks, accumulation over micro-batches and clipping see an
+ordinary fp32 gradient; the K steps' weight gradients are summed inside the GEMM (more exactly
+than ``per_use``, whose each step's gradient is rounded to bf16 first), and written once (4
+bytes a parameter) instead of K times (the cache: ~8 bytes a parameter per step, its bf16 output
+and add; ``per_use``: ~26 with the casts and fp32 adds; ~34 / ~109 GB a Kimi TTT-7 step). The
+price is one copy of the g_i and x_i into the GEMM's operands (~8 GB a Kimi TTT-7 step).
+Memory: the held g_i (~250 MB a step at Kimi dims) grow while the backward frees far more
+activations, so the peak (the start of the backward) does not move.
 
 Frozen weights are not touched (on CUDA they are held in bf16 already:
 :func:`eagle3.train.distributed.hold_frozen_bf16`). Not under FSDP, whose unsharded parameters
@@ -33,24 +39,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_MM_FP32: bool | None = None  # whether torch.mm takes out_dtype here (CUDA, torch >= 2.8)
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16 matrices, accumulated and returned in float32: cuBLAS's fp32 output
+    (``torch.mm(..., out_dtype=float32)``) on CUDA; elsewhere (the CPU runs this in tests only)
+    the inputs upcast, which is the same sum."""
+    global _MM_FP32
+    if a.is_cuda and _MM_FP32 is None:
+        try:
+            t = torch.ones(2, 2, dtype=a.dtype, device=a.device)
+            _MM_FP32 = torch.mm(t, t, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError):
+            _MM_FP32 = False
+    if a.is_cuda and _MM_FP32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
 
 class _Slot:
-    """One weight's bf16 copy for this forward and the fp32 sum of its uses' gradients."""
+    """One weight's bf16 copy for this forward, and what its uses' backwards left for the
+    weight gradient (each use's output gradient and input, as [rows, features])."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         self.wb = weight.detach().to(dtype)
-        self.acc: torch.Tensor | None = None
+        self.grads: list[torch.Tensor] = []
+        self.inputs: list[torch.Tensor] = []
 
-    def add(self, grad: torch.Tensor) -> None:
-        if self.acc is None:
-            self.acc = grad.float()
-        else:
-            self.acc.add_(grad)  # fp32 += bf16: one kernel, no fp32 copy of the bf16 gradient
+    def weight_grad(self) -> torch.Tensor | None:
+        """All uses' weight gradient in one fp32 GEMM (None: no use had a gradient)."""
+        if not self.grads:
+            return None
+        g = self.grads[0] if len(self.grads) == 1 else torch.cat(self.grads)
+        x = self.inputs[0] if len(self.inputs) == 1 else torch.cat(self.inputs)
+        self.grads, self.inputs = [], []
+        return mm_fp32(g.t(), x)
 
 
 class _Anchor(torch.autograd.Function):
     """A scalar that every use of the weight takes as an input: its backward runs after all of
-    theirs and hands the fp32 sum to the weight."""
+    theirs and hands the weight its gradient."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, slot: _Slot) -> torch.Tensor:  # type: ignore[override]
@@ -59,12 +88,11 @@ class _Anchor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad: torch.Tensor):  # type: ignore[override]
-        acc, ctx.slot.acc = ctx.slot.acc, None
-        return acc, None
+        return ctx.slot.weight_grad(), None
 
 
 class _CastLinear(torch.autograd.Function):
-    """``F.linear(x, weight)`` in bf16 on the shared copy; the weight gradient goes to the slot."""
+    """``F.linear(x, weight)`` in bf16 on the shared copy; the weight's share goes to the slot."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -77,10 +105,11 @@ class _CastLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (xb,) = ctx.saved_tensors
+        (xb,) = ctx.saved_tensors  # (autograd's check that nothing changed it in place)
         slot = ctx.slot
         gx = grad @ slot.wb if ctx.needs_input_grad[0] else None
-        slot.add(grad.reshape(-1, grad.shape[-1]).t() @ xb.reshape(-1, xb.shape[-1]))
+        slot.grads.append(grad.reshape(-1, grad.shape[-1]))
+        slot.inputs.append(xb.reshape(-1, xb.shape[-1]))
         return gx, None, None
 
 
