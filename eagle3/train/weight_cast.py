@@ -45,17 +45,19 @@ _MM_FP32: bool | None = None  # whether torch.mm takes out_dtype here (CUDA, tor
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of bf16 matrices, accumulated and returned in float32: cuBLAS's fp32 output
     (``torch.mm(..., out_dtype=float32)``) on CUDA; elsewhere (the CPU runs this in tests only)
-    the inputs upcast, which is the same sum."""
+    the inputs upcast, which is the same sum. A CUDA torch without ``out_dtype`` gets the bf16
+    GEMM (fp32 accumulation, the sum rounded to bf16 once), not a float32 GEMM at a tenth of
+    the speed."""
     global _MM_FP32
-    if a.is_cuda and _MM_FP32 is None:
+    if not a.is_cuda:
+        return a.float() @ b.float()
+    if _MM_FP32 is None:
         try:
             t = torch.ones(2, 2, dtype=a.dtype, device=a.device)
             _MM_FP32 = torch.mm(t, t, out_dtype=torch.float32).dtype == torch.float32
         except (TypeError, RuntimeError):
             _MM_FP32 = False
-    if a.is_cuda and _MM_FP32:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+    return torch.mm(a, b, out_dtype=torch.float32) if _MM_FP32 else torch.mm(a, b).float()
 
 
 class _Slot:
