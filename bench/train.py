@@ -66,7 +66,7 @@ from eagle3.train.step import (  # noqa: E402
 )
 from eagle3.train.step_fast import PendingStep  # noqa: E402
 from eagle3.train.target import target_argmax  # noqa: E402
-from eagle3.train.weight_cast import set_weight_cast  # noqa: E402
+from eagle3.train.weight_cast import fp32_output_gemm, set_weight_cast  # noqa: E402
 
 SMOLLM2 = dict(
     hidden_size=576,
@@ -432,6 +432,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
     result = {
         "impl": r["impl"],
         "weight_cast": r["weight_cast"],
+        "fp32_output_gemm": fp32_output_gemm(),  # once: the steps' weight-gradient GEMM
         "compile": args.compile,
         "arch": args.arch,
         "kimi": args.kimi,

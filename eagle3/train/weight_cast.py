@@ -60,6 +60,11 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_FP32 else torch.mm(a, b).float()
 
 
+def fp32_output_gemm() -> bool | None:
+    """Whether :func:`mm_fp32` found cuBLAS's fp32 output here (None: not asked yet, or CPU)."""
+    return _MM_FP32
+
+
 class _Slot:
     """One weight's bf16 copy for this forward, and what its uses' backwards left for the
     weight gradient (each use's output gradient and input, as [rows, features])."""
@@ -172,4 +177,4 @@ def cast_context(model: nn.Module, device_type: str) -> contextlib.AbstractConte
     return weights_cast_once(model, torch.get_autocast_dtype(device_type))
 
 
-__all__ = ["cast_context", "set_weight_cast", "weights_cast_once"]
+__all__ = ["cast_context", "fp32_output_gemm", "mm_fp32", "set_weight_cast", "weights_cast_once"]
