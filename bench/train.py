@@ -197,7 +197,7 @@ def parse() -> argparse.Namespace:
         help="train.freeze_head: lm_head and the final norm fixed (held in bf16 on CUDA)",
     )
     ap.add_argument(
-        "--compile", action="store_true", help="torch.compile the norms, MLP and loss math"
+        "--compile", action="store_true", help="torch.compile the norms, SiLU x up and loss math"
     )
     ap.add_argument(
         "--sync-debug",

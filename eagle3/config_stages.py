@@ -192,7 +192,7 @@ class TrainConfig(_Section):
 
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="torch.compile the fast step's norms, MLP and loss math "
+        description="torch.compile the fast step's norms, SiLU x up and loss math "
         "(eagle3/train/compiled.py). auto: on CUDA, except under FSDP; on the CPU the compile "
         "time outweighs a short run.",
         json_schema_extra=UNKEYED,
