@@ -101,7 +101,33 @@ class GenerateConfig(_Section):
 class ExtractConfig(_Section):
     """Hidden states of the target at the auxiliary layers (+ the final pre-norm state)."""
 
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="Who computes the target's states: hf (transformers in this process) or "
+        "vllm (the target's vLLM server with the project's hidden-states connector).",
+    )
+    states: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: extract stores every token's states in shards and train reads "
+        "them back (~8H bytes a token in bf16). online: extract stores token ids and loss masks "
+        "only; train asks the backend for each batch's states while it trains (hf: the target "
+        "in the training process; vllm: the extract server, started by train) and keeps at most "
+        "train.state_cache_gib of them for later epochs (docs/train.md, Online states).",
+    )
+    online_server_gpus: str | None = Field(
+        None,
+        description="online + vllm: CUDA_VISIBLE_DEVICES of the extract server while train runs "
+        "(None: every GPU, shared with the training ranks). eagle3 plan shows the layout.",
+        json_schema_extra=UNKEYED,
+    )
+    online_gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="online + vllm: the extract server's --gpu-memory-utilization while train "
+        "runs on the same GPUs (None: serve.gpu_memory_utilization); the rest is the trainer's.",
+        json_schema_extra=UNKEYED,
+    )
     aux_layers: list[int] | None = Field(
         None, description="vLLM convention; default (2, N//2, N-3)."
     )
@@ -187,6 +213,23 @@ class TrainConfig(_Section):
         description="Pad the next step's batches on a host thread while this step runs, when "
         "they are read from the shards (eagle3/train/loader.py). auto: on CUDA (on the CPU the "
         "thread would take cores from the step).",
+        json_schema_extra=UNKEYED,
+    )
+
+    state_cache_gib: float = Field(
+        2.0,
+        ge=0,
+        description="extract.states online: GiB of the target's states kept on disk for later "
+        "epochs (the first ones that fit, in extract.storage_dtype); the rest is recomputed "
+        "each epoch. The run never holds more on disk.",
+        json_schema_extra=UNKEYED,
+    )
+    online_prefetch: int = Field(
+        4,
+        ge=1,
+        description="extract.states online: batches whose states are asked for ahead of the step "
+        "(requests in flight at the vLLM server; the hf target computes one batch ahead on the "
+        "loader thread).",
         json_schema_extra=UNKEYED,
     )
 

@@ -121,7 +121,11 @@ def _train_key(cfg: PipelineConfig) -> dict[str, Any]:
     # The world size is torchrun's, or the one the train stage launches.
     world = int(os.environ.get("WORLD_SIZE") or cfg.train.nproc_per_node)
     t["batches_per_step"] = world * cfg.train.grad_accum
-    return {"target": artifacts.target_identity(cfg), "train": t, "aux_layers": cfg.aux_layers}
+    out = {"target": artifacts.target_identity(cfg), "train": t, "aux_layers": cfg.aux_layers}
+    if cfg.extract.states == "online" and cfg.extract.backend == "vllm":
+        # online, train runs the extract server: its serve settings make the states
+        out["serve"] = serve_keyed(cfg, "extract")
+    return out
 
 
 def _verify_key(cfg: PipelineConfig) -> dict[str, Any]:

@@ -107,7 +107,9 @@ def forward_states(
         final_h = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
         aux_h.copy_(aux, non_blocking=True)
         final_h.copy_(final, non_blocking=True)
-        torch.cuda.synchronize(device)
+        # this thread's stream only: the online states run this on the loader thread's stream
+        # while a training step runs on another, which a device-wide sync would wait for
+        torch.cuda.current_stream(device).synchronize()
         aux, final = aux_h, final_h
     return [(aux[i, : len(s)], final[i, : len(s)]) for i, s in enumerate(seqs)]
 

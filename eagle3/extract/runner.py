@@ -253,6 +253,7 @@ def _manifest(
         "convention": CONVENTION,
         "hidden_size": cfg.target.hidden_size,
         "storage_dtype": e.storage_dtype,
+        "states": e.states,  # online: token ids and loss masks only (train makes the states)
         "config": e.model_dump(mode="json"),
         "settings_key": settings_key(cfg),
         "generate_dir": str(generate_dir),
@@ -347,9 +348,10 @@ class _Run:
             self.counts["reused"] += 1
             self._progress()
 
-    def store(self, ex: Example, aux: torch.Tensor, final: torch.Tensor) -> None:
-        """Keep one computed sample, unless its states are not finite."""
-        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+    def store(self, ex: Example, aux: torch.Tensor | None, final: torch.Tensor | None) -> None:
+        """Keep one computed sample, unless its states are not finite (``None``: online states,
+        the tokens and mask alone)."""
+        if aux is not None and not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
             self.errors.record(ex.id, "non-finite hidden states (NaN/inf)")
             self.counts["nonfinite"] += 1
             return
@@ -372,8 +374,13 @@ class _Run:
         samples are kept (a rerun resumes after them) and a full disk says how much more is
         needed."""
         writer = self.writer
+        states = (
+            ((ex, None, None) for ex in self.examples())  # no target: train produces them
+            if self.e.states == "online"
+            else _states(self.cfg, self.model_path, self.out_dir, self.examples())
+        )
         try:
-            for ex, aux, final in _states(self.cfg, self.model_path, self.out_dir, self.examples()):
+            for ex, aux, final in states:
                 self.store(ex, aux, final)
             writer.close()
         except BaseException as err:

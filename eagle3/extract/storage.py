@@ -52,13 +52,27 @@ def dequantize_fp8(
     return (q.float() * scale.unsqueeze(-1)).to(dtype)
 
 
+def encode_states(name: str, x: torch.Tensor, storage_dtype: str) -> dict[str, torch.Tensor]:
+    """One state tensor as stored: bf16, or fp8 with a float32 scale per row (``name_scale``).
+    The shards and the online state cache (eagle3/train/online.py) store the same bytes."""
+    if storage_dtype == "float8_e4m3fn":
+        q, scale = quantize_fp8(x)
+        return {name: q, f"{name}_scale": scale}
+    return {name: x.to(torch.bfloat16)}
+
+
+def decode_states(get: Any, name: str, fp8: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`encode_states`; ``get(key)`` reads one stored tensor."""
+    return dequantize_fp8(get(name), get(f"{name}_scale"), dtype) if fp8 else get(name).to(dtype)
+
+
 @dataclass
 class Sample:
     id: str
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool / uint8
-    aux: torch.Tensor  # [T, 3H]
-    final: torch.Tensor  # [T, H]
+    aux: torch.Tensor | None  # [T, 3H]; None in a token-only folder (extract.states: online)
+    final: torch.Tensor | None  # [T, H]
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -140,11 +154,9 @@ class ShardWriter:
         self, name: str, xs: list[torch.Tensor], pieces: dict[str, list[torch.Tensor]]
     ) -> None:
         """Per-sample row blocks of one stored tensor (fp8: quantised per row, with scales)."""
-        if self.dtype == "float8_e4m3fn":
-            qs = [quantize_fp8(x) for x in xs]
-            pieces[name], pieces[f"{name}_scale"] = [q for q, _ in qs], [sc for _, sc in qs]
-        else:
-            pieces[name] = [x.to(torch.bfloat16) for x in xs]
+        for x in xs:
+            for k, v in encode_states(name, x, self.dtype).items():
+                pieces.setdefault(k, []).append(v)
 
     def flush(self, wait: bool = True) -> None:
         """Write the buffered samples as one shard (in the writer thread); ``wait`` for it to
@@ -177,9 +189,14 @@ class ShardWriter:
             "loss_mask": [s.loss_mask.to(torch.uint8) for s in buf],
             "offsets": [offsets],
         }
-        self._blocks("aux", [s.aux for s in buf], pieces)
-        self._blocks("final", [s.final for s in buf], pieces)
-        meta = {"ids": json.dumps([s.id for s in buf]), "storage_dtype": self.dtype}
+        states = buf[0].aux is not None  # a token-only folder (online states) has none
+        if states:
+            self._blocks("aux", [s.aux for s in buf], pieces)
+            self._blocks("final", [s.final for s in buf], pieces)
+        meta = {
+            "ids": json.dumps([s.id for s in buf]),
+            "storage_dtype": self.dtype if states else "none",
+        }
         with atomic_path(self.root / name) as tmp:
             write_safetensors_blocks(tmp, pieces, meta)
         for i, s in enumerate(buf):
@@ -252,6 +269,11 @@ class HiddenStateDataset:
         self.ids = sorted(index)
         self.entries = [index[i] for i in self.ids]
         self._handles: dict[str, Any] = {}
+        first = self._handle(self.entries[0][0]) if self.entries else None
+        #: False for a token-only folder (extract.states: online): ids and masks, no states
+        self.has_states = first is not None and "aux" in first.keys()
+        #: the width of the stored aux states (len(aux_layers) x target hidden), if any
+        self.aux_width = first.get_slice("aux").get_shape()[-1] if self.has_states else None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -271,13 +293,10 @@ class HiddenStateDataset:
         a, b = int(offsets[0]), int(offsets[1])
         fp8 = h.metadata().get("storage_dtype") == "float8_e4m3fn"
 
-        def states(name: str) -> torch.Tensor:
-            x = h.get_slice(name)[a:b]
-            return (
-                dequantize_fp8(x, h.get_slice(f"{name}_scale")[a:b], self.dtype)
-                if fp8
-                else x.to(self.dtype)
-            )
+        def states(name: str) -> torch.Tensor | None:
+            if not self.has_states:
+                return None
+            return decode_states(lambda k: h.get_slice(k)[a:b], name, fp8, self.dtype)
 
         return Sample(
             self.ids[i],
@@ -286,6 +305,10 @@ class HiddenStateDataset:
             states("aux"),
             states("final"),
         )
+
+    def fetch(self, idx: list[int]) -> list[Sample]:
+        """The samples ``idx`` (a batch): the interface the online states share."""
+        return [self[i] for i in idx]
 
     def batches(
         self, token_budget: int, shuffle: bool = True, seed: int = 0

@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +146,87 @@ def read_hidden(path: Path, sample_id: str, token_ids: list[int], pick: list[int
     return hidden[:, pick].float()
 
 
+class StateServer:
+    """The target's vLLM extract server and an async client for it, usable from any thread.
+
+    ``submit(sample_id, token_ids)`` sends one exact-token prompt (at most ``concurrency`` in
+    flight; the rest wait their turn) and returns a future of ``hidden [T, len(layer_ids), H]``
+    float32; requests run on an event loop in a thread of their own, so a caller can keep the
+    server busy with the next batches while it trains on this one (the online states,
+    eagle3/train/online.py). Per-request files live in ``work_dir/vllm-hidden`` and are deleted
+    once read. A context manager: the server stops at exit, on error too.
+    """
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        model: str,
+        layer_ids: list[int],
+        work_dir: Path,
+        concurrency: int = 8,
+        request_timeout_s: float = 600.0,
+        file_timeout_s: float = 120.0,
+    ):
+        if not layer_ids:
+            raise ValueError("layer_ids is empty")
+        captured = sorted(set(layer_ids))
+        self.pick = [captured.index(k) for k in layer_ids]
+        self.file_timeout_s = file_timeout_s
+        self.storage = Path(work_dir) / "vllm-hidden"
+        self.storage.mkdir(parents=True, exist_ok=True)
+        release_gpus(cfg, "extract")  # a production unit would hold the GPUs this server needs
+        self.server = start_server(
+            extract_server_config(cfg, self.storage),
+            model,
+            log_dir=Path(work_dir) / "serve",
+            speculative_config=speculative_config(captured),
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="eagle3-vllm-states", daemon=True
+        )
+        self._thread.start()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._client = httpx.AsyncClient(
+            headers=auth_headers(self.server.api_key),
+            timeout=httpx.Timeout(request_timeout_s, connect=30.0),
+            limits=httpx.Limits(max_connections=concurrency),
+        )
+
+    async def _one(self, sample_id: str, token_ids: list[int]) -> torch.Tensor:
+        async with self._slots:
+            path = await _request(
+                self._client, self.server, sample_id, token_ids, self.file_timeout_s
+            )
+        return await asyncio.to_thread(read_hidden, path, sample_id, token_ids, self.pick)
+
+    def submit(self, sample_id: str, token_ids: list[int]) -> Future[torch.Tensor]:
+        return asyncio.run_coroutine_threadsafe(self._one(sample_id, list(token_ids)), self._loop)
+
+    def close(self) -> None:
+        """Cancel what is in flight, close the client, stop the server."""
+        try:
+
+            async def _shutdown() -> None:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await self._client.aclose()
+
+            asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(timeout=60)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        finally:
+            self.server.stop()
+
+    def __enter__(self) -> StateServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def extract_vllm(
     cfg: PipelineConfig,
     model: str,
@@ -158,31 +241,12 @@ def extract_vllm(
 
     Starts the target's vLLM server (process backend) for the duration of the iteration and stops
     it at the end, on error, or when the consumer stops iterating. ``samples`` is read lazily,
-    ``concurrency`` requests at a time. Per-request files live in ``work_dir/vllm-hidden`` and are
-    deleted once read.
+    ``concurrency`` requests at a time (:class:`StateServer`).
     """
-    if not layer_ids:
-        raise ValueError("layer_ids is empty")
-    captured = sorted(set(layer_ids))
-    pick = [captured.index(k) for k in layer_ids]
-    work_dir = Path(work_dir)
-    storage = work_dir / "vllm-hidden"
-    storage.mkdir(parents=True, exist_ok=True)
-    release_gpus(cfg, "extract")  # a production unit would hold the GPUs this server needs
-    server = start_server(
-        extract_server_config(cfg, storage),
-        model,
-        log_dir=work_dir / "serve",
-        speculative_config=speculative_config(captured),
-    )
-    loop = asyncio.new_event_loop()
-    client = httpx.AsyncClient(
-        headers=auth_headers(server.api_key),
-        timeout=httpx.Timeout(request_timeout_s, connect=30.0),
-        limits=httpx.Limits(max_connections=concurrency),
-    )
-    pending: dict[asyncio.Task, tuple[str, list[int]]] = {}
-    try:
+    with StateServer(
+        cfg, model, layer_ids, work_dir, concurrency, request_timeout_s, file_timeout_s
+    ) as states:
+        pending: dict[Future, str] = {}
         it = iter(samples)
         exhausted = False
         while True:
@@ -192,23 +256,9 @@ def extract_vllm(
                 except StopIteration:
                     exhausted = True
                     break
-                task = loop.create_task(
-                    _request(client, server, sample_id, list(token_ids), file_timeout_s)
-                )
-                pending[task] = (sample_id, list(token_ids))
+                pending[states.submit(sample_id, token_ids)] = sample_id
             if not pending:
                 break
-            done, _ = loop.run_until_complete(
-                asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            )
-            for task in done:
-                sample_id, token_ids = pending.pop(task)
-                yield sample_id, read_hidden(task.result(), sample_id, token_ids, pick)
-    finally:
-        for task in pending:
-            task.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        loop.run_until_complete(client.aclose())
-        loop.close()
-        server.stop()
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                yield pending.pop(fut), fut.result()

@@ -15,6 +15,7 @@ device memory (36 MB for 9 M tokens).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ from eagle3.train.target import TargetHead
 def open_extract(
     extract_dir: Path, aux_layers: list[int], bf16: bool = False
 ) -> HiddenStateDataset:
-    """The stored hidden states, checked against extract's manifest (aux layers, sample count).
+    """The extract folder, checked against its manifest (aux layers, sample count): its stored
+    hidden states, or (``extract.states: online``) its token ids and loss masks alone
+    (``ds.has_states`` False; train then produces the states, eagle3/train/online.py).
 
     Read as float32, or with ``bf16`` in bfloat16 (the storage dtype; fp8 shards dequantised to
     it): on a GPU the step reads the states in bf16 anyway, and half the bytes cross to it."""
@@ -82,20 +85,27 @@ class Loader:
     :func:`eagle3.train.batch.make_batch_fast` builds it, the same values); ``prefetch(groups)``
     starts the host work of batches asked for next (with ``prefetch=True``; else a no-op).
 
-    With a thread, ``sample`` is only ever called on it (the shards' handles are not shared
+    With a thread, ``sample`` / ``fetch`` is only ever called on it (the shards' handles are not shared
     between threads), in the order batches were asked for."""
 
     def __init__(
         self,
-        sample: Callable[[int], Sample],
+        sample: Callable[[int], Sample] | None,
         head: TargetHead,
         device: torch.device,
         max_seq_len: int,
         positions: str = "predicted",
         prefetch: bool = False,
         chunk: int = 1024,
+        fetch: Callable[[list[int]], list[Sample]] | None = None,
     ) -> None:
-        self.sample, self.head, self.device = sample, head, device
+        """``sample(i)`` reads one sample, or ``fetch(idx)`` a batch of them (the online states
+        produce a batch at a time)."""
+        if fetch is None:
+            assert sample is not None
+            fetch = lambda idx: [sample(i) for i in idx]  # noqa: E731
+        self.fetch, self.head, self.device = fetch, head, device
+        self.wait_s = 0.0  # time the step's thread waited for batches (prefetch not done yet)
         self.max_seq_len, self.positions, self.chunk = max_seq_len, positions, chunk
         self.pin = device.type == "cuda" and torch.cuda.is_available()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eagle3-loader") if prefetch else None
@@ -106,7 +116,7 @@ class Loader:
         self._arg: dict[int, torch.Tensor] = {}  # sample -> [n] int32 on the device
 
     def _host(self, idx: list[int]) -> Padded | Copied:
-        host = pad_samples([self.sample(i) for i in idx], self.max_seq_len, self.pin)
+        host = pad_samples(self.fetch(idx), self.max_seq_len, self.pin)
         if self._stream is None:
             return host
         with torch.cuda.stream(self._stream):
@@ -128,7 +138,9 @@ class Loader:
         ahead = self._ahead.pop(tuple(idx), None)
         if ahead is None and self._pool is not None:  # every shard read on the one thread
             ahead = self._pool.submit(self._host, idx)
+        t0 = time.perf_counter()
         host = ahead.result() if ahead is not None else self._host(idx)
+        self.wait_s += time.perf_counter() - t0
         if isinstance(host, Copied):
             ids, mask, aux, final, valid = host.take()
         else:

@@ -39,6 +39,7 @@ from eagle3.train.device_data import DeviceData, fits, make_batch_device
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
 from eagle3.train.loader import Loader, open_extract, prefetch_on
 from eagle3.train.metrics import epoch_metrics, write_metrics
+from eagle3.train.online import OnlineStates, open_online
 from eagle3.train.optim import lr_at, make_optimizer
 from eagle3.train.progress import StepQueue, check_finite
 from eagle3.train.step import make_autocast, resolve_step_impl, train_step_async
@@ -99,7 +100,7 @@ class Run:
     cfg: Any
     d: Dist
     dev: torch.device
-    ds: HiddenStateDataset
+    ds: HiddenStateDataset | OnlineStates
     head: TargetHead
     model: DraftModel
     net: nn.Module  # the TTT objective, under DDP / FSDP when distributed
@@ -145,18 +146,24 @@ def _train(
     # on a GPU the states are read in their storage dtype (bf16): the step casts them there
     ds = open_extract(extract_dir, list(cfg.aux_layers), dev.type == "cuda")
     model = build_model(cfg, target_dir, vocab, ds)
-    run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
-    state, resumed_from = TrainState(), None
-    if resume and (run.ckpt / "state.json").is_file():
-        state = resume_from(run)
-        resumed_from = state.step
-
-    loop_started = time.time()
+    if not ds.has_states:  # extract.states online: the target produces them as train asks
+        ds = open_online(cfg, ds, target_dir, out_dir, dev, ds.dtype, d.rank, d.world)
     try:
-        finished = run_epochs(run, state, out_dir, max_steps, on_progress)
+        run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
+        state, resumed_from = TrainState(), None
+        if resume and (run.ckpt / "state.json").is_file():
+            state = resume_from(run)
+            resumed_from = state.step
+
+        loop_started = time.time()
+        try:
+            finished = run_epochs(run, state, out_dir, max_steps, on_progress)
+        finally:
+            if run.loader is not None:
+                run.loader.close()
     finally:
-        if run.loader is not None:
-            run.loader.close()
+        if isinstance(ds, OnlineStates):
+            ds.close()  # the vLLM server it started stops here, on an error too
     if not finished:
         run.save(state)
         if d.world > 1:
@@ -197,6 +204,7 @@ def _train(
             "batches_per_step": run.group,
         },
         **{k: run.extra[k] for k in ("data_on_device", "compiled", "weight_cast")},
+        "states": states_report(cfg, run),
         "loop_s": loop_s,
         "wall_s": round(time.time() - started, 2),
     }
@@ -205,6 +213,18 @@ def _train(
     if d.world > 1:
         dist.barrier()  # the export and manifest exist when any rank returns
     return manifest
+
+
+def states_report(cfg: Any, run: Run) -> dict[str, Any]:
+    """Where the states came from and, online, what producing them cost: the target's time
+    (``produce_s``, on the loader thread or the server) against the time the step waited for
+    batches (``step_wait_s``): the difference was hidden behind the draft's steps."""
+    out: dict[str, Any] = {"mode": cfg.extract.states, "backend": cfg.extract.backend}
+    if run.loader is not None:
+        out["step_wait_s"] = round(run.loader.wait_s, 2)
+    if isinstance(run.ds, OnlineStates):
+        out.update(run.ds.stats())
+    return out
 
 
 def build_model(
@@ -234,10 +254,9 @@ def build_model(
         raise ValueError(
             f"vocab built for {vocab.target_vocab_size} target ids, target has {dcfg.vocab_size}"
         )
-    if ds[0].aux.shape[-1] != dcfg.fc_input_size:
+    if ds.aux_width is not None and ds.aux_width != dcfg.fc_input_size:
         raise ValueError(
-            f"stored aux width {ds[0].aux.shape[-1]} != "
-            f"{len(aux_layers)} x {dcfg.target_hidden_size}"
+            f"stored aux width {ds.aux_width} != {len(aux_layers)} x {dcfg.target_hidden_size}"
         )
     if tc.head_init != "random":
         init_head_from_target(model, target_dir, vocab.draft_ids, norm=tc.head_init == "target")
@@ -251,7 +270,7 @@ def build_model(
 def set_up(
     cfg: Any,
     model: DraftModel,
-    ds: HiddenStateDataset,
+    ds: HiddenStateDataset | OnlineStates,
     vocab: VocabMapping,
     target_dir: Path,
     out_dir: Path,
@@ -284,7 +303,9 @@ def set_up(
         math.ceil(len(epoch_batches(ds, tc.token_budget, tc.seed, e, tc.batching)) / group)
         for e in range(tc.epochs)
     )
-    on_device = tc.data_on_device == "on" or (tc.data_on_device == "auto" and fits(ds, dev))
+    on_device = isinstance(ds, HiddenStateDataset) and (
+        tc.data_on_device == "on" or (tc.data_on_device == "auto" and fits(ds, dev))
+    )
     t0 = time.time()
     data = DeviceData.load(ds, dev) if on_device else None
     if data is not None:
@@ -292,7 +313,7 @@ def set_up(
     load_s = round(time.time() - t0, 2)
     prefetch = prefetch_on(tc.prefetch, dev)
     loader = (
-        Loader(ds.__getitem__, head, dev, tc.max_seq_len, tc.loss_positions, prefetch)
+        Loader(None, head, dev, tc.max_seq_len, tc.loss_positions, prefetch, fetch=ds.fetch)
         if data is None and impl == "fast"
         else None
     )
@@ -363,6 +384,9 @@ def run_epochs(
                 queue.settle()
                 return False
             at, g = state.batch_in_epoch, run.group
+            if isinstance(run.ds, OnlineStates):  # requests ahead of the loader (vLLM)
+                ahead = batches[at : at + tc.online_prefetch * g][d.rank :: d.world]
+                run.ds.request([i for idx in ahead for i in idx])
             if run.loader is not None:  # this rank's batches of this step and the next
                 run.loader.prefetch(batches[at : at + 2 * g][d.rank :: d.world])
             lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio, tc.lr_schedule)
@@ -419,7 +443,7 @@ def batch_of(run: Run, idx: list[int]) -> Any:
         )
     if run.loader is not None:
         return run.loader.batch(idx)
-    samples = [run.ds[i] for i in idx]
+    samples = run.ds.fetch(idx)
     return make_batch(samples, run.head, run.dev, tc.max_seq_len, positions=tc.loss_positions)
 
 
