@@ -44,10 +44,15 @@ from eagle3.generate.storage import JsonlAppender
 
 def stored_form(aux: torch.Tensor, final: torch.Tensor, storage_dtype: str) -> dict[str, Any]:
     """The tensors a shard (or the cache) keeps for one sample's states."""
-    return {**encode_states("aux", aux, storage_dtype), **encode_states("final", final, storage_dtype)}
+    return {
+        **encode_states("aux", aux, storage_dtype),
+        **encode_states("final", final, storage_dtype),
+    }
 
 
-def from_stored(t: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def from_stored(
+    t: dict[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     fp8 = "aux_scale" in t
     return (
         decode_states(t.__getitem__, "aux", fp8, dtype),
@@ -134,7 +139,9 @@ class HFProducer:
         # step on the compute stream instead of queueing behind it
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def compute(self, items: list[tuple[str, list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def compute(
+        self, items: list[tuple[str, list[int]]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         from eagle3.extract.hf_backend import forward_states
 
         out: list[Any] = [None] * len(items)
@@ -262,7 +269,9 @@ class OnlineStates:
             s.aux, s.final = states[j]
         return samples
 
-    def _compute(self, idx: list[int], samples: list[Sample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _compute(
+        self, idx: list[int], samples: list[Sample]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(self.producer, VllmProducer):
             with self._lock:
                 futures = [
@@ -281,10 +290,18 @@ class OnlineStates:
             if s.id not in self.nonfinite:
                 self.nonfinite.add(s.id)
                 out = JsonlAppender(self._errors_path)
-                out.append({"id": s.id, "reason": "non-finite hidden states (NaN/inf): not trained on", "time": time.time()})
+                out.append(
+                    {
+                        "id": s.id,
+                        "reason": "non-finite hidden states (NaN/inf): not trained on",
+                        "time": time.time(),
+                    }
+                )
                 out.close()
             s.loss_mask = torch.zeros_like(s.loss_mask)
-            return torch.zeros_like(aux, dtype=self.dtype), torch.zeros_like(final, dtype=self.dtype)
+            return torch.zeros_like(aux, dtype=self.dtype), torch.zeros_like(
+                final, dtype=self.dtype
+            )
         stored = stored_form(aux.cpu(), final.cpu(), self.storage_dtype)
         self.cache.put(s.id, stored)
         return from_stored(stored, self.dtype)
@@ -342,5 +359,6 @@ def open_online(
         else HFProducer(cfg, str(target_dir), device)
     )
     return OnlineStates(tokens, producer, cache, e.storage_dtype, dtype, out_dir / "errors.jsonl")
+
 
 __all__ = ["HFProducer", "OnlineStates", "StateCache", "VllmProducer", "disk_bytes", "open_online"]
