@@ -43,13 +43,14 @@ def generate(
 ) -> None:
     """Send every prompt to the target and keep reasoning, answer and exact token ids (resumable)."""  # noqa: E501
     from eagle3.embedded import EmbeddedModelError
-    from eagle3.generate.runner import ServerUnavailable
+    from eagle3.generate.runner import ServerUnavailable, check_dataset
     from eagle3.serving.readiness import ServerError
     from eagle3.stages import run_stage, stage_key
 
     cfg = load_profile(config, set_)
     out = out or cfg.paths.artifact_dir("generate", stage_key(cfg, "generate"))
     tokenizer = tokenizer_path(cfg)
+    check_dataset(cfg)  # before the server: a missing file is found in a second
     try:
         with served(cfg, base_url) as urls:
             fields = "{task.fields[tps]:.0f} tok/s  errors {task.fields[err]}"
