@@ -152,12 +152,25 @@ def extract(
             )
     except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError, GPUsBusy) as e:
         fail(str(e))
+    typer.echo(extract_summary(out, m))
+
+
+def extract_summary(out: Path, m: dict) -> str:
+    """extract's closing line; it names the lines it could not read and the samples it skipped
+    (issue #30: the console said nothing of them, only errors.jsonl did)."""
     run = m["this_run"]
-    typer.echo(
+    text = (
         f"{out}: {m['samples']} samples, {m['tokens']} tokens, {m['bytes_per_token']} bytes/token "
         f"({m['storage_dtype']}), layers {m['aux_layers']}; "
         f"this run: {run['stored']} computed, {run['reused']} reused"
     )
+    unreadable, skipped = run.get("unreadable", 0), run.get("skipped", 0)
+    if unreadable or skipped:
+        text += (
+            f"; {unreadable} unreadable lines and {skipped} skipped samples: see "
+            f"{Path(out) / 'errors.jsonl'}"
+        )
+    return text
 
 
 def vocab(

@@ -113,7 +113,7 @@ class TokenCheck:
             self.fingerprint = local_fingerprint(tokenizer, chat_template_kwargs)
         self.checked = 0
         self.rechecked = 0  # stored samples of earlier runs checked at the start of this one
-        self.failed = False  # once a check failed, nothing more is stored in this run
+        self.failed: str | None = None  # the first failure: nothing more is stored in this run
 
     @property
     def active(self) -> bool:
@@ -140,19 +140,19 @@ class TokenCheck:
 
     def __call__(self, record: dict[str, Any]) -> None:
         """Check one record before it is stored; marks it checked, or raises TokenIdMismatch."""
-        if self.failed:
-            raise TokenIdMismatch("a sample's token ids already failed the check: storing nothing")
+        if self.failed:  # the samples still in flight: the same message, nothing stored
+            raise TokenIdMismatch(self.failed)
         if self.tok is None:
             return
         why = self.mismatch(record)
         self.checked += 1
         if why:
-            self.failed = True
-            raise TokenIdMismatch(
+            self.failed = (
                 f"{why}: extract and train would read them with the wrong meaning. Serve the "
                 "target's own tokenizer, or point target.tokenizer at the served model's; nothing "
                 "of this sample was stored"
             )
+            raise TokenIdMismatch(self.failed)
         record[CHECKED_FIELD] = self.fingerprint
 
 
