@@ -76,7 +76,8 @@ def test_canned_ids_at_concurrency_32_store_nothing_and_a_rerun_replaces_old_one
     out = tmp_path / "gen"
     with pytest.raises(TokenIdMismatch, match="differ from the local tokenizer"):
         generate(cfg, [zero_server], out)
-    assert not list(iter_samples(out)), "no sample with the wrong ids is stored"
+    stored = len(list(iter_samples(out)))
+    assert stored == 0, f"{stored} samples with the wrong ids were stored"
     # a folder filled before the fix (only the first 8 were checked): 6 wrong samples in it
     old = gen_cfg(tmp_path, f"generate.dataset={data}", "generate.num_samples=6")
     generate(old, [zero_server], out, token_check=False)
@@ -102,7 +103,8 @@ def test_a_local_folder_target_is_checked_and_an_unchecked_folder_is_refused(
     out = tmp_path / "gen"
     with pytest.raises(TokenIdMismatch, match=rf"differ from the local tokenizer {smol_model} "):
         generate(cfg, [zero_server], out)
-    assert not list(iter_samples(out))
+    stored = len(list(iter_samples(out)))
+    assert stored == 0, f"{stored} samples with the wrong ids were stored"
     generate(cfg, [vllm_server.base_url], out)
     assert local_ids_match(out, smol_model) == (40, 40)
     # a folder with no tokenizer in it: no check is possible, said loudly and recorded
@@ -161,8 +163,12 @@ def test_sigterm_while_the_server_loads_stops_it_within_seconds(smol_model, tmp_
         while not _pids_with_arg("--port", str(port)) and time.monotonic() < deadline:
             time.sleep(0.2)
         servers = _pids_with_arg("--port", str(port))
+        # vLLM's own signal handling is up once its API server logs (before that, Python's
+        # default SIGTERM ends it at once): from then on main waited serve.stop_timeout_s
+        while not loading_logged(tmp_path / "runs") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)
         assert servers and proc.poll() is None, "the server must be loading"
-        time.sleep(3)  # well inside its load (about 40 s here)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
@@ -174,6 +180,10 @@ def test_sigterm_while_the_server_loads_stops_it_within_seconds(smol_model, tmp_
     assert took < 20, f"took {took:.0f} s (serve.stop_timeout_s is 40)"
     assert "that was still loading: SIGTERM, then SIGKILL after 5 s" in err, err
     assert not any(group_members(pid) for pid in servers)
+
+
+def loading_logged(runs: Path) -> bool:
+    return any("(APIServer pid=" in p.read_text() for p in runs.rglob("vllm-*.log"))
 
 
 # --- 5: an unknown embedded model is one line with the known names ------------------------------
@@ -261,8 +271,6 @@ def test_train_does_not_resume_a_checkpoint_of_another_extract(tmp_path):
 
 
 def test_nits_zero_samples_unreadable_lines_error_prefix_and_a_missing_dataset(scripted, tmp_path):
-    from eagle3.cli_stages import extract_summary
-
     # 0 samples: a failure, nothing sealed
     data = write_prompts(tmp_path / "p.jsonl", 2)
     cfg = gen_cfg(
@@ -275,6 +283,8 @@ def test_nits_zero_samples_unreadable_lines_error_prefix_and_a_missing_dataset(s
         generate(cfg, [scripted("400,400")], tmp_path / "gen")
     assert not (tmp_path / "gen" / "manifest.json").exists()
     # extract's console line counts the unreadable lines and skipped samples
+    from eagle3.cli_stages import extract_summary
+
     run = {"stored": 2, "reused": 0, "unreadable": 1, "skipped": 1}
     m = {"samples": 2, "tokens": 9, "bytes_per_token": 1.0, "storage_dtype": "bfloat16"}
     text = extract_summary(Path("ext"), {**m, "aux_layers": [1], "this_run": run})
