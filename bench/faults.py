@@ -8,7 +8,8 @@
    unreadable lines, token ids differing from an uninterrupted run of the same prompts, and
    processes left behind after each kill.
 2. SIGTERM trial: `eagle3 generate` with its own server (process backend) gets SIGTERM while the
-   server starts, SIGTERM mid-run, and SIGINT mid-run. Reported per signal: exit code, the
+   server starts, SIGTERM and SIGINT while it loads (its API server runs), SIGTERM mid-run, and
+   SIGINT mid-run. Reported per signal: exit code, the
    message, processes of the server's group (and any new vLLM process) left after the exit.
    The folder is then completed against the shared server: nothing lost or duplicated.
 
@@ -172,7 +173,14 @@ def signal_trial(args, sets: list[str], work: Path, sig: int, when: str) -> dict
     server: list[int] = []
     while proc.poll() is None and time.monotonic() < deadline:
         server = server or processes("--port", str(port))
-        if server and (when == "starting" or (out.exists() and len(read_folder(out)[0]) > before)):
+        if server and when == "loading":  # vLLM's API server runs (its own handlers are up)
+            logs = (work / "runs").rglob(f"vllm-{port}-*.log")
+            if any("(APIServer pid=" in p.read_text() for p in logs):
+                time.sleep(2)
+                break
+        elif server and (
+            when == "starting" or (out.exists() and len(read_folder(out)[0]) > before)
+        ):
             break
         time.sleep(0.1)
     if when == "mid-run":
@@ -197,6 +205,7 @@ def signal_trial(args, sets: list[str], work: Path, sig: int, when: str) -> dict
         "samples_saved": len(read_folder(out)[0]),
         "orphaned_processes": len(left),
         "message": message,
+        "stop_message": next((ln for ln in err.splitlines() if "still loading" in ln), None),
     }
 
 
@@ -346,6 +355,9 @@ def main() -> None:
         help="Comma-separated: kill, signals, canned (issue #30's canned ids), clarity.",
     )
     ap.add_argument("--canned-prompts", type=int, default=40)
+    ap.add_argument(
+        "--signal-cases", help="e.g. SIGTERM:loading,SIGINT:mid-run (default: all five)"
+    )
     ap.add_argument("--out", help="Write the JSON results here too.")
     args = ap.parse_args()
     BASELINE.update(int(p) for p in os.listdir("/proc") if p.isdigit())
@@ -398,13 +410,18 @@ def main() -> None:
         if "clarity" in trials:
             results["clarity"] = clarity_trial(args, sets, server.base_url, work, model)
         if "signals" in trials and not args.skip_signals:
+            cases = [
+                (signal.SIGTERM, "starting"),
+                (signal.SIGTERM, "loading"),  # issue #30: waited serve.stop_timeout_s, silent
+                (signal.SIGINT, "loading"),
+                (signal.SIGTERM, "mid-run"),
+                (signal.SIGINT, "mid-run"),
+            ]
+            chosen = args.signal_cases.split(",") if args.signal_cases else None
             results["signals"] = [
                 signal_trial(args, sets, work, sig, when)
-                for sig, when in [
-                    (signal.SIGTERM, "starting"),
-                    (signal.SIGTERM, "mid-run"),
-                    (signal.SIGINT, "mid-run"),
-                ]
+                for sig, when in cases
+                if chosen is None or f"{signal.Signals(sig).name}:{when}" in chosen
             ]
             for r in results["signals"]:
                 print(json.dumps(r), flush=True)
