@@ -82,6 +82,15 @@ def generate(
         f"{out}: {manifest['totals']['samples']} samples in total; this run {run['counts']}, "
         f"{run['completion_tokens_per_s']} tok/s over {run['wall_s']} s"
     )
+    unchecked = (manifest.get("token_check") or {}).get("unchecked_samples")
+    if unchecked:  # said again last: the warning above may have scrolled away
+        typer.secho(
+            f"WARNING: the token ids of {unchecked} samples are NOT checked "
+            f"({manifest['token_check']['unchecked']}); extract refuses this folder unless "
+            "extract.accept_unchecked_token_ids=true",
+            fg="yellow",
+            err=True,
+        )
 
 
 def profile_concurrency_cmd(
