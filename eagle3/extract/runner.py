@@ -27,6 +27,7 @@ from eagle3.config import PipelineConfig
 from eagle3.errors import MissingSamples, NoResult, TokenIdMismatch, disk_full, is_disk_full
 from eagle3.extract.inputs import Example, iter_examples
 from eagle3.extract.storage import Sample, ShardWriter
+from eagle3.generate.checks import require_checked_ids
 from eagle3.generate.storage import JsonlAppender, SampleScan, repair_jsonl, scan_samples
 
 CONVENTION = (
@@ -117,25 +118,6 @@ class Reuse:
         ]:
             return None
         return old
-
-
-def check_token_ids_checked(
-    generate_dir: Path, gen_manifest: dict[str, Any], cfg: PipelineConfig
-) -> None:
-    """Refuse a generate folder whose token ids generate could not check (its manifest says how
-    many and why), unless ``extract.accept_unchecked_token_ids``. Why: ids of another tokenizer
-    were extracted and trained on without a word (issue #30). Folders from before the check
-    have no ``token_check`` and pass as before."""
-    tc = gen_manifest.get("token_check") or {}
-    n = tc.get("unchecked_samples") or 0
-    if n and not cfg.extract.accept_unchecked_token_ids:
-        raise TokenIdMismatch(
-            f"{generate_dir}: the token ids of {n} samples were not checked against the target's "
-            f"tokenizer ({tc.get('unchecked')}); ids of another tokenizer would be trained on "
-            "silently. Rerun generate into that folder where the tokenizer loads "
-            "(target.tokenizer; it re-checks what is stored and requests what fails), or set "
-            "extract.accept_unchecked_token_ids=true to use them as they are"
-        )
 
 
 def check_input(generate_dir: Path, gen_manifest: dict[str, Any]) -> SampleScan:
@@ -443,7 +425,7 @@ def extract(
     """Run the stage into ``out_dir`` (resuming what is there); see the module docstring."""
     generate_dir, out_dir = Path(generate_dir), Path(out_dir)
     gen_manifest = json.loads((generate_dir / "manifest.json").read_text())
-    check_token_ids_checked(generate_dir, gen_manifest, cfg)
+    require_checked_ids(generate_dir, gen_manifest, cfg.extract.accept_unchecked_token_ids)
     fingerprint = check_fingerprint(gen_manifest, model_path, cfg)
     scan = check_input(generate_dir, gen_manifest)
     run = _Run(cfg, generate_dir, out_dir, model_path, gen_manifest, scan, on_progress, reuse_from)

@@ -11,17 +11,20 @@
   records it, so extract refuses the folder unless told to accept it.
 - ``recheck_stored``: a rerun re-checks the samples an earlier run stored without this check
   (before the fix, or without a tokenizer) and drops those that fail, so they are requested again.
+- ``require_checked_ids``: extract's refusal of a folder whose ids no run could check.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import httpx
 
 from eagle3.errors import EndpointError, TokenIdMismatch
+from eagle3.generate.storage import ShardStore, iter_samples
 from eagle3.serving.readiness import FATAL_PROBE_STATUS, auth_headers
 
 log = logging.getLogger(__name__)
@@ -171,3 +174,68 @@ def recheck_stored(records: Iterable[dict[str, Any]], check: TokenCheck) -> dict
         if why:
             bad[r["id"]] = why
     return bad
+
+
+def token_check_for(cfg: Any, tokenizer_path: str | None, enabled: bool = True):
+    """(tokenizer or None, its TokenCheck). The tokenizer also rebuilds ids a server did not
+    return. Without one the check is impossible: said loudly here, recorded in the manifest."""
+    source = tokenizer_path or check_tokenizer_source(cfg)
+    tok, why = load_check_tokenizer(source, cfg.target.trust_remote_code)
+    if not enabled:
+        why = "the token id check was turned off by the caller"
+    if tok is None or not enabled:
+        log.warning(
+            "WARNING: the server's token ids cannot be checked (%s). Samples are stored "
+            "UNCHECKED: the manifest records it and extract refuses this folder unless "
+            "extract.accept_unchecked_token_ids=true. Set target.tokenizer to the served model's "
+            "tokenizer to check them (a rerun then re-checks what is stored).",
+            why,
+        )
+    return tok, TokenCheck(
+        tok if enabled else None, cfg.generate.chat_template_kwargs, source, unchecked=why
+    )
+
+
+def recheck_folder(store: ShardStore, check: TokenCheck) -> int:
+    """Re-check what earlier runs stored (before every sample was checked, or without a
+    tokenizer) and drop the samples whose ids fail: they are recorded and requested again.
+    Returns how many were dropped."""
+    bad = recheck_stored(iter_samples(store.root, on_bad=lambda *_: None), check)
+    if not bad:
+        return 0
+    store.drop(set(bad))
+    for sid, why in bad.items():
+        store.add_error(
+            {
+                "id": sid,
+                "source": None,
+                "kind": "failed",
+                "reason": f"{why}: dropped from the folder, requested again",
+                "time": time.time(),
+            }
+        )
+    log.warning(
+        "%s: %d stored samples had token ids that are not the local tokenizer's (%s); dropped, "
+        "they are requested again",
+        store.root,
+        len(bad),
+        check.source,
+    )
+    return len(bad)
+
+
+def require_checked_ids(generate_dir: Any, gen_manifest: dict[str, Any], accept: bool) -> None:
+    """Refuse a generate folder whose token ids generate could not check (its manifest says how
+    many and why), unless ``accept`` (``extract.accept_unchecked_token_ids``). Why: ids of
+    another tokenizer were extracted and trained on without a word (issue #30). Folders from
+    before the check have no ``token_check`` and pass as before."""
+    tc = gen_manifest.get("token_check") or {}
+    n = tc.get("unchecked_samples") or 0
+    if n and not accept:
+        raise TokenIdMismatch(
+            f"{generate_dir}: the token ids of {n} samples were not checked against the target's "
+            f"tokenizer ({tc.get('unchecked')}); ids of another tokenizer would be trained on "
+            "silently. Rerun generate into that folder where the tokenizer loads "
+            "(target.tokenizer; it re-checks what is stored and requests what fails), or set "
+            "extract.accept_unchecked_token_ids=true to use them as they are"
+        )

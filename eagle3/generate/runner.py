@@ -36,13 +36,7 @@ import httpx
 from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
 from eagle3.errors import NoResult, ServerUnavailable, disk_full, is_disk_full
-from eagle3.generate.checks import (
-    TokenCheck,
-    check_endpoints,
-    check_tokenizer_source,
-    load_check_tokenizer,
-    recheck_stored,
-)
+from eagle3.generate.checks import TokenCheck, check_endpoints, recheck_folder, token_check_for
 from eagle3.generate.client import (
     BadResponse,
     EndpointPool,
@@ -55,7 +49,7 @@ from eagle3.generate.client import (
 from eagle3.generate.manifest import run_manifest
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
 from eagle3.generate.records import build_record
-from eagle3.generate.storage import ShardStore, iter_samples
+from eagle3.generate.storage import ShardStore
 from eagle3.serving.readiness import auth_headers, root_url
 
 log = logging.getLogger(__name__)
@@ -310,54 +304,6 @@ def check_dataset(cfg: PipelineConfig) -> None:
     next(iter(load_prompts(cfg, PromptStats())), None)
 
 
-def token_check_for(cfg: PipelineConfig, tokenizer_path: str | None, enabled: bool = True):
-    """(tokenizer or None, its TokenCheck). The tokenizer also rebuilds ids a server did not
-    return. Without one the check is impossible: said loudly here, recorded in the manifest."""
-    source = tokenizer_path or check_tokenizer_source(cfg)
-    tok, why = load_check_tokenizer(source, cfg.target.trust_remote_code)
-    if not enabled:
-        why = "the token id check was turned off by the caller"
-    if tok is None or not enabled:
-        log.warning(
-            "WARNING: the server's token ids cannot be checked (%s). Samples are stored "
-            "UNCHECKED: the manifest records it and extract refuses this folder unless "
-            "extract.accept_unchecked_token_ids=true. Set target.tokenizer to the served model's "
-            "tokenizer to check them (a rerun then re-checks what is stored).",
-            why,
-        )
-    return tok, TokenCheck(
-        tok if enabled else None, cfg.generate.chat_template_kwargs, source, unchecked=why
-    )
-
-
-def recheck_folder(store: ShardStore, check: TokenCheck, runner: _Run) -> int:
-    """Re-check what earlier runs stored (before every sample was checked, or without a
-    tokenizer) and drop the samples whose ids fail: they are recorded and requested again."""
-    bad = recheck_stored(iter_samples(store.root, on_bad=lambda *_: None), check)
-    if not bad:
-        return 0
-    store.drop(set(bad))
-    for sid, why in bad.items():
-        store.add_error(
-            {
-                "id": sid,
-                "source": None,
-                "kind": "failed",
-                "reason": f"{why}: dropped from the folder, requested again",
-                "time": time.time(),
-            }
-        )
-    runner.counts["dropped_wrong_token_ids"] += len(bad)
-    log.warning(
-        "%s: %d stored samples had token ids that are not the local tokenizer's (%s); dropped, "
-        "they are requested again",
-        store.root,
-        len(bad),
-        check.source,
-    )
-    return len(bad)
-
-
 def make_rebuilder(cfg: PipelineConfig, tok: Any | None):
     if tok is None:
         return None
@@ -430,7 +376,8 @@ def generate(
             await pool.close()
 
     try:
-        recheck_folder(store, check, runner)
+        if dropped := recheck_folder(store, check):
+            runner.counts["dropped_wrong_token_ids"] = dropped
         asyncio.run(main())
         store.close()
         if not store.done_ids:

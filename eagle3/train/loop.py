@@ -41,7 +41,7 @@ from eagle3.train.loader import Loader, open_extract, prefetch_on
 from eagle3.train.metrics import epoch_metrics, write_metrics
 from eagle3.train.optim import lr_at, make_optimizer
 from eagle3.train.progress import StepQueue, check_finite
-from eagle3.train.resume_guard import checkpoint_matches, extract_identity
+from eagle3.train.resume_guard import extract_identity, resumable
 from eagle3.train.step import make_autocast, resolve_step_impl, train_step_async
 from eagle3.train.step_fast import PendingStep, StepResult
 from eagle3.train.target import TargetHead, init_head_from_target, load_target_head
@@ -148,8 +148,7 @@ def _train(
     model = build_model(cfg, target_dir, vocab, ds)
     run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
     state, resumed_from = TrainState(), None
-    ckpt_found = resume and (run.ckpt / "state.json").is_file()
-    if ckpt_found and checkpoint_matches(run.ckpt, run.extra["extract"], extract_dir):
+    if resume and resumable(run.ckpt, run.extra["extract"], extract_dir):
         state = resume_from(run)
         resumed_from = state.step
 

@@ -27,10 +27,12 @@ def extract_identity(extract_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def checkpoint_matches(ckpt: Path, identity: str, extract_dir: Path) -> bool:
-    """Whether the checkpoint in ``ckpt`` was trained on this extract. One from before this check
-    records none and resumes as before. When it does not match, say so: the run starts over
-    and the checkpoint is replaced at its first save."""
+def resumable(ckpt: Path, identity: str, extract_dir: Path) -> bool:
+    """Whether ``ckpt`` holds a checkpoint trained on this extract. One from before this check
+    records none and resumes as before. One of another extract is not resumed, with a warning:
+    the run starts over and the checkpoint is replaced at its first save."""
+    if not (Path(ckpt) / "state.json").is_file():
+        return False
     theirs = json.loads((Path(ckpt) / "state.json").read_text()).get("extract")
     if theirs is None or theirs == identity:
         return True
