@@ -2,7 +2,11 @@
 vLLM-shaped response. Used to measure the client's own ceiling (the client must never be the
 bottleneck). Minimal HTTP/1.1 with keep-alive on asyncio.Protocol: far faster than the client.
 
-    python bench/zero_server.py PORT
+    python bench/zero_server.py PORT [MODEL]
+
+MODEL (default "zero") is the name ``/v1/models`` lists. Its token ids are canned ([9, 8, 7, 6,
+5] for every prompt) and it has no ``/tokenize``: the fault tests and bench/faults.py use it as a
+server whose ids are not the target's (issue #30).
 """
 
 from __future__ import annotations
@@ -29,9 +33,15 @@ BODY = json.dumps(
         "prompt_token_ids": [9, 8, 7, 6, 5],
     }
 ).encode()
-MODELS = json.dumps(
-    {"object": "list", "data": [{"id": "zero", "object": "model", "max_model_len": 4096}]}
-).encode()
+
+
+def models_body(name: str) -> bytes:
+    return json.dumps(
+        {"object": "list", "data": [{"id": name, "object": "model", "max_model_len": 4096}]}
+    ).encode()
+
+
+MODELS = models_body("zero")
 
 
 def response(body: bytes) -> bytes:
@@ -82,4 +92,6 @@ async def main(port: int) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        MODELS = models_body(sys.argv[2])
     asyncio.run(main(int(sys.argv[1])))

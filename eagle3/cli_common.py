@@ -39,13 +39,15 @@ def load_profile(config: Path, overrides: list[str] | None) -> PipelineConfig:
     try:
         return load_config(config, overrides or [])
     except ConfigError as e:
-        typer.secho(str(e), fg="red", err=True)
+        typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
 
 
 def fail(msg: str) -> None:
-    """Exit 1 with one red line: the errors a user can fix need no traceback."""
-    typer.secho(msg, fg="red", err=True)
+    """Exit 1 with one red line: the errors a user can fix need no traceback. The ``error:``
+    prefix is the one eagle3.entry prints for the pipeline's own errors (issue #30: some lines
+    had it, some did not)."""
+    typer.secho(f"error: {msg}", fg="red", err=True)
     raise typer.Exit(1)
 
 
@@ -71,7 +73,8 @@ def served(cfg: PipelineConfig, base_url: str | None):
 
 
 def tokenizer_path(cfg: PipelineConfig) -> str | None:
-    """Tokenizer used only to rebuild token ids a server did not return."""
+    """The tokenizer that checks the server's token ids (and rebuilds ids a server did not
+    return); None lets generate take ``target.model`` (eagle3.generate.checks)."""
     if cfg.target.tokenizer:
         return cfg.target.tokenizer
     if cfg.target.is_embedded:

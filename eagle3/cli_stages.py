@@ -43,13 +43,14 @@ def generate(
 ) -> None:
     """Send every prompt to the target and keep reasoning, answer and exact token ids (resumable)."""  # noqa: E501
     from eagle3.embedded import EmbeddedModelError
-    from eagle3.generate.runner import ServerUnavailable
+    from eagle3.generate.runner import ServerUnavailable, check_dataset
     from eagle3.serving.readiness import ServerError
     from eagle3.stages import run_stage, stage_key
 
     cfg = load_profile(config, set_)
     out = out or cfg.paths.artifact_dir("generate", stage_key(cfg, "generate"))
     tokenizer = tokenizer_path(cfg)
+    check_dataset(cfg)  # before the server: a missing file is found in a second
     try:
         with served(cfg, base_url) as urls:
             fields = "{task.fields[tps]:.0f} tok/s  errors {task.fields[err]}"
@@ -81,6 +82,15 @@ def generate(
         f"{out}: {manifest['totals']['samples']} samples in total; this run {run['counts']}, "
         f"{run['completion_tokens_per_s']} tok/s over {run['wall_s']} s"
     )
+    unchecked = (manifest.get("token_check") or {}).get("unchecked_samples")
+    if unchecked:  # said again last: the warning above may have scrolled away
+        typer.secho(
+            f"WARNING: the token ids of {unchecked} samples are NOT checked "
+            f"({manifest['token_check']['unchecked']}); extract refuses this folder unless "
+            "extract.accept_unchecked_token_ids=true",
+            fg="yellow",
+            err=True,
+        )
 
 
 def profile_concurrency_cmd(
@@ -151,12 +161,25 @@ def extract(
             )
     except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError, GPUsBusy) as e:
         fail(str(e))
+    typer.echo(extract_summary(out, m))
+
+
+def extract_summary(out: Path, m: dict) -> str:
+    """extract's closing line; it names the lines it could not read and the samples it skipped
+    (issue #30: the console said nothing of them, only errors.jsonl did)."""
     run = m["this_run"]
-    typer.echo(
+    text = (
         f"{out}: {m['samples']} samples, {m['tokens']} tokens, {m['bytes_per_token']} bytes/token "
         f"({m['storage_dtype']}), layers {m['aux_layers']}; "
         f"this run: {run['stored']} computed, {run['reused']} reused"
     )
+    unreadable, skipped = run.get("unreadable", 0), run.get("skipped", 0)
+    if unreadable or skipped:
+        text += (
+            f"; {unreadable} unreadable lines and {skipped} skipped samples: see "
+            f"{Path(out) / 'errors.jsonl'}"
+        )
+    return text
 
 
 def vocab(

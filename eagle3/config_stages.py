@@ -167,6 +167,12 @@ class ExtractConfig(_Section):
         "already stored (same id and tokens) instead of computing them again.",
         json_schema_extra=UNKEYED,
     )
+    accept_unchecked_token_ids: bool = Field(
+        False,
+        description="Use a generate folder whose token ids generate could not check (no "
+        "tokenizer there: its manifest's token_check says why). Off: extract refuses it.",
+        json_schema_extra=UNKEYED,
+    )
 
 
 class VocabConfig(_Section):

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.errors import Eagle3Error
+
 MARKER = "eagle3-embedded.json"
 
 
@@ -64,8 +66,8 @@ class TinyModel:
 TINY = {"tiny-deepseek-v3": TinyModel(name="tiny-deepseek-v3", kind="deepseek_v3")}
 
 
-class EmbeddedModelError(RuntimeError):
-    pass
+class EmbeddedModelError(Eagle3Error, RuntimeError):
+    """An unknown or unprepared embedded model: one line (the known names), not a traceback."""
 
 
 def spec(name: str) -> EmbeddedModel:

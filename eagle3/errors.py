@@ -29,6 +29,10 @@ class InputDataError(Eagle3Error, ValueError):
     """An input file (dataset, generate shard) that cannot be read; names the file (and line)."""
 
 
+class DatasetNotFound(InputDataError, FileNotFoundError):
+    """The dataset file does not exist (also a FileNotFoundError, as it was before)."""
+
+
 class ServerError(Eagle3Error, RuntimeError):
     """The server could not be started or reached; the message says why."""
 
@@ -108,6 +112,7 @@ def disk_full(path: Path, needed_bytes: float | None, what: str = "") -> DiskFul
 __all__ = [
     "ConfigError",
     "CorruptArtifact",
+    "DatasetNotFound",
     "DiskFull",
     "EndpointError",
     "Eagle3Error",

@@ -103,11 +103,16 @@ def test_iteration_is_lazy(tmp_path):
     assert isinstance(next(it), Prompt)  # a generator: nothing parsed beyond what was asked for
 
 
+def rec(sid: str, x) -> dict:
+    """A minimal sample record (readers skip a record without its id lists: issue #30)."""
+    return {"id": sid, "x": x, "prompt_token_ids": [1], "completion_token_ids": [2]}
+
+
 def test_shards_rotate_and_torn_tail_is_dropped(tmp_path):
     store = ShardStore(tmp_path, shard_size=3)
     for i in range(7):
-        store.add({"id": f"s{i}", "x": i})
-    store.add({"id": "s0", "x": "dup"})  # never twice
+        store.add(rec(f"s{i}", i))
+    store.add(rec("s0", "dup"))  # never twice
     store.close()
     assert sorted(p.name for p in tmp_path.glob("samples-*")) == [
         "samples-00000.jsonl",
@@ -120,7 +125,7 @@ def test_shards_rotate_and_torn_tail_is_dropped(tmp_path):
     assert store.torn_bytes == len(b'{"id": "s7", "x": ') and store.done_ids == {
         f"s{i}" for i in range(7)
     }
-    store.add({"id": "s7", "x": 7})
+    store.add(rec("s7", 7))
     store.finalize()
     ids = [r["id"] for r in iter_samples(tmp_path)]
     assert ids == [f"s{i}" for i in range(8)]

@@ -229,7 +229,8 @@ def test_reasoning_is_captured_and_token_ids_rebuild_identically(
         "target.expects_reasoning=true",
         "generate.max_tokens=48",
     )
-    m = generate(cfg, [think_server.base_url], tmp_path / "gen")
+    # the served variant's template opens <think>: its tokenizer checks the server's ids
+    m = generate(cfg, [think_server.base_url], tmp_path / "gen", tokenizer_path=str(think_model))
     samples = list(iter_samples(tmp_path / "gen"))
     assert len(samples) == 6
     with_reasoning = [s for s in samples if s["reasoning"]]

@@ -27,6 +27,7 @@ from eagle3.config import PipelineConfig
 from eagle3.errors import MissingSamples, NoResult, TokenIdMismatch, disk_full, is_disk_full
 from eagle3.extract.inputs import Example, iter_examples
 from eagle3.extract.storage import Sample, ShardWriter
+from eagle3.generate.checks import require_checked_ids
 from eagle3.generate.storage import JsonlAppender, SampleScan, repair_jsonl, scan_samples
 
 CONVENTION = (
@@ -431,6 +432,7 @@ def extract(
     """Run the stage into ``out_dir`` (resuming what is there); see the module docstring."""
     generate_dir, out_dir = Path(generate_dir), Path(out_dir)
     gen_manifest = json.loads((generate_dir / "manifest.json").read_text())
+    require_checked_ids(generate_dir, gen_manifest, cfg.extract.accept_unchecked_token_ids)
     fingerprint = check_fingerprint(gen_manifest, model_path, cfg)
     scan = check_input(generate_dir, gen_manifest)
     run = _Run(cfg, generate_dir, out_dir, model_path, gen_manifest, scan, on_progress, reuse_from)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3.config import PipelineConfig
 from eagle3.fingerprint import server_fingerprint
+from eagle3.generate.checks import CHECKED_FIELD
 from eagle3.generate.prompts import PromptStats
 from eagle3.generate.storage import iter_samples, latest_errors
 
@@ -33,6 +34,7 @@ def run_manifest(
     out_dir: Path,
 ) -> dict[str, Any]:
     g, store, progress = cfg.generate, runner.store, runner.progress
+    totals = folder_totals(out_dir)
     return {
         "stage": "generate",
         "target": cfg.target.model,
@@ -51,19 +53,21 @@ def run_manifest(
             "torn_bytes_dropped": store.torn_bytes,
             "unreadable_lines": [f"{w}: {r}" for w, r in store.bad_lines],
             "token_ids_checked": runner.token_check.checked,
+            "token_ids_rechecked": runner.token_check.rechecked,
             "wall_s": round(wall, 2),
             "completion_tokens": progress.completion_tokens,
             "prompt_tokens": runner.prompt_tokens,
             "completion_tokens_per_s": round(progress.completion_tokens / max(wall, 1e-9), 1),
             "requests_per_s": round(progress.done / max(wall, 1e-9), 2),
         },
-        "totals": folder_totals(out_dir),
+        "totals": totals,
+        "token_check": token_check_summary(runner.token_check, totals),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
 def folder_totals(out_dir: Path) -> dict[str, Any]:
-    n = prompt_tokens = completion_tokens = 0
+    n = prompt_tokens = completion_tokens = unmarked = 0
     flags: Counter[str] = Counter()
     done: set[str] = set()
     for r in iter_samples(out_dir):
@@ -72,6 +76,7 @@ def folder_totals(out_dir: Path) -> dict[str, Any]:
         prompt_tokens += len(r["prompt_token_ids"])
         completion_tokens += len(r["completion_token_ids"])
         flags.update(r.get("flags", []))
+        unmarked += CHECKED_FIELD not in r
     # a failure that a later run filled in is history, not a current error
     errors = {k: e for k, e in latest_errors(out_dir).items() if e.get("id") not in done}
     return {
@@ -80,4 +85,17 @@ def folder_totals(out_dir: Path) -> dict[str, Any]:
         "completion_tokens": completion_tokens,
         "flags": dict(flags),
         "errors_by_kind": dict(Counter(e["kind"] for e in errors.values())),
+        "token_ids_not_marked_checked": unmarked,
+    }
+
+
+def token_check_summary(check: Any, totals: dict[str, Any]) -> dict[str, Any]:
+    """How the folder's token ids were checked. ``unchecked_samples`` is what extract reads: 0
+    when this run had the tokenizer (it checked every new sample and re-checked the stored
+    ones), else the samples no run marked as checked; ``unchecked`` says why."""
+    return {
+        "tokenizer": check.source,
+        "fingerprint": check.fingerprint,
+        "unchecked": check.unchecked,
+        "unchecked_samples": 0 if check.active else totals["token_ids_not_marked_checked"],
     }

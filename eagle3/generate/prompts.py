@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.errors import InputDataError
+from eagle3.errors import DatasetNotFound, InputDataError
 
 ROLE_ALIASES = {
     "human": "user",
@@ -289,9 +289,12 @@ def open_rows(dataset: str, split: str = "train") -> tuple[Sequence[Any], str]:
         data = embedded_dataset_path(dataset[len(EMBEDDED_PREFIX) :]).read_bytes()
         return JsonArrayRecords(data, dataset), hashlib.sha256(data).hexdigest()[:16]
     path = Path(dataset)
+    looks_local = path.suffix in (".jsonl", ".json", ".parquet") or dataset.startswith(
+        ("/", "./", "../", "~")
+    )
+    if looks_local and not path.exists():  # not a hub name: say so instead of asking the hub
+        raise DatasetNotFound(f"dataset file {path} not found: check generate.dataset")
     if path.suffix == ".jsonl":
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset file {path} not found")
         fingerprint = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         return [(f"line {n}", row, err) for n, row, err in read_jsonl(path)], fingerprint
     import datasets

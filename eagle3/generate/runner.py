@@ -12,8 +12,11 @@
 - A prompt the server rejects is recorded and the run goes on; a server that stops answering
   stops the stage with a clear error after the retries (a rerun resumes). A wrong URL or key
   (404/401/403) stops it at once: it is the setup's fault, not the prompts' (issue #16).
-- The first prompts' token ids are checked against the local tokenizer and chat template: ids
-  that mean something else to extract and train stop the run before they are stored.
+- Every sample's prompt ids are checked against the local tokenizer and chat template before
+  it is stored: ids that mean something else to extract and train stop the run, and nothing more
+  is stored after the first failure. A rerun re-checks what earlier runs stored and drops what
+  fails (requested again). Without a tokenizer the run says so, the manifest records it, and
+  extract refuses the folder unless told to accept it (issue #30).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import httpx
 
 from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
-from eagle3.errors import ServerUnavailable, disk_full, is_disk_full
-from eagle3.generate.checks import TokenCheck, check_endpoints
+from eagle3.errors import NoResult, ServerUnavailable, disk_full, is_disk_full
+from eagle3.generate.checks import TokenCheck, check_endpoints, recheck_folder, token_check_for
 from eagle3.generate.client import (
     BadResponse,
     EndpointPool,
@@ -249,16 +252,14 @@ class _Run:
                 pending.add(asyncio.create_task(self.one(item)))
                 if len(pending) >= window:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for t in done:
-                        t.result()  # re-raise ServerUnavailable and bugs
+                    _raise_first(done)  # re-raise ServerUnavailable, TokenIdMismatch and bugs
                 now = time.monotonic()
                 if self.on_progress and now - last_report > 0.5:
                     self.on_progress(self.progress)
                     last_report = now
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    t.result()
+                _raise_first(done)
                 if self.on_progress:
                     self.on_progress(self.progress)
         finally:
@@ -266,6 +267,18 @@ class _Run:
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _raise_first(done: set[asyncio.Task]) -> None:
+    """Re-raise the first failure among finished tasks, after retrieving every one's exception.
+
+    Why all of them: several requests fail together (a full disk, a server with other token ids)
+    and a failure never retrieved is printed as "Task exception was never retrieved" with its
+    traceback when the task is collected: 3 to 7 of them followed the one-line error (issue #30).
+    """
+    errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+    if errors:
+        raise errors[0]
 
 
 def load_prompts(cfg: PipelineConfig, stats: PromptStats) -> Iterator[Prompt | Skip]:
@@ -284,14 +297,11 @@ def load_prompts(cfg: PipelineConfig, stats: PromptStats) -> Iterator[Prompt | S
     )
 
 
-def load_tokenizer(cfg: PipelineConfig, tokenizer_path: str | None) -> Any | None:
-    if not tokenizer_path:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        tokenizer_path, trust_remote_code=cfg.target.trust_remote_code
-    )
+def check_dataset(cfg: PipelineConfig) -> None:
+    """Open the dataset and read up to its first prompt. Called before any server starts, so a
+    missing or unreadable file fails in a second instead of after the server's load (issue
+    #30)."""
+    next(iter(load_prompts(cfg, PromptStats())), None)
 
 
 def make_rebuilder(cfg: PipelineConfig, tok: Any | None):
@@ -325,8 +335,13 @@ def generate(
     tokenizer_path: str | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     finalize: bool = True,
+    token_check: bool = True,
 ) -> dict[str, Any]:
-    """Run (or resume) the generate stage into ``out_dir``; returns the manifest."""
+    """Run (or resume) the generate stage into ``out_dir``; returns the manifest.
+
+    ``tokenizer_path`` overrides where the checking tokenizer comes from (default:
+    ``check_tokenizer_source``); ``token_check=False`` stores ids unchecked (recorded as such):
+    only for stand-in servers whose canned ids are nobody's."""
     g = cfg.generate
     window = concurrency or (g.concurrency if isinstance(g.concurrency, int) else None)
     if window is None:
@@ -350,16 +365,8 @@ def generate(
         max_connections=window,
         strategy=g.balancing,
     )
-    tok = load_tokenizer(cfg, tokenizer_path)
-    runner = _Run(
-        cfg,
-        pool,
-        store,
-        progress,
-        make_rebuilder(cfg, tok),
-        on_progress,
-        TokenCheck(tok, g.chat_template_kwargs, tokenizer_path),
-    )
+    tok, check = token_check_for(cfg, tokenizer_path, token_check)
+    runner = _Run(cfg, pool, store, progress, make_rebuilder(cfg, tok), on_progress, check)
     started = time.time()
 
     async def main() -> None:
@@ -369,8 +376,17 @@ def generate(
             await pool.close()
 
     try:
+        if dropped := recheck_folder(store, check):
+            runner.counts["dropped_wrong_token_ids"] = dropped
         asyncio.run(main())
         store.close()
+        if not store.done_ids:
+            raise NoResult(
+                f"generate stored 0 samples in {out_dir} ({stats.rows} dataset rows read, this "
+                f"run: {dict(runner.counts) or 'no request'}): nothing to train on, nothing "
+                f"sealed. The reasons are in {out_dir / 'errors.jsonl'}; check generate.dataset "
+                "and the server, then rerun"
+            )
         if finalize:
             store.finalize()
         manifest = run_manifest(

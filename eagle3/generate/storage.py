@@ -117,6 +117,18 @@ class JsonlAppender:
             self.f.close()
 
 
+def _sample_ids(records: list[Any], shard: Path, bad: list[tuple[str, str]]) -> list[str]:
+    """Ids of the usable sample records; the others go to ``bad`` (their samples are redone)."""
+    ids = []
+    for r in records:
+        why = not_a_sample(r)
+        if why:
+            bad.append((str(shard), f"unreadable line ({why})"))
+        else:
+            ids.append(r["id"])
+    return ids
+
+
 class ShardStore:
     """Sample shards + errors file of one generate output folder."""
 
@@ -133,7 +145,7 @@ class ShardStore:
         for shard in complete:
             records, dropped = repair_jsonl(shard, self.bad_lines)
             self.torn_bytes += dropped
-            self.done_ids.update(r["id"] for r in records)
+            self.done_ids.update(_sample_ids(records, shard, self.bad_lines))
         open_shards = sorted(self.root.glob(f"samples-*.jsonl{OPEN_SUFFIX}"))
         if len(open_shards) > 1:
             raise RuntimeError(
@@ -156,7 +168,7 @@ class ShardStore:
             self._open_path = open_shards[0]
             records, dropped = repair_jsonl(self._open_path, self.bad_lines)
             self.torn_bytes += dropped
-            self.done_ids.update(r["id"] for r in records)
+            self.done_ids.update(_sample_ids(records, self._open_path, self.bad_lines))
             self._count = len(records)
             self._index = int(self._open_path.name.split("-")[1].split(".")[0])
         else:
@@ -177,6 +189,37 @@ class ShardStore:
         self._count += 1
         if self._count >= self.shard_size:
             self._rotate()
+
+    def drop(self, ids: set[str]) -> int:
+        """Remove these samples from the shards; returns how many records went. Each shard that
+        holds one is rewritten under a temporary name (not matched by ``samples-*``) and renamed
+        over the old one, so a kill leaves either shard whole. Their ids are requested again.
+        Why: a rerun found their token ids wrong (issue #30); keeping them trained the draft on
+        ids that mean other tokens."""
+        self._writer.close()
+        dropped = 0
+        for shard in sorted(self.root.glob("samples-*.jsonl*")):
+            kept, n = [], 0
+            with open(shard, "rb") as f:
+                for raw in f:
+                    if raw.endswith(b"\n") and _record_id(raw) in ids:
+                        n += 1
+                    else:
+                        kept.append(raw)
+            if n:
+                tmp = shard.with_name(f".{shard.name}.tmp")
+                with open(tmp, "wb") as f:
+                    f.write(b"".join(kept))
+                    f.flush()
+                    os.fsync(f.fileno())
+                tmp.replace(shard)
+                dropped += n
+        fsync_dir(self.root)
+        self.done_ids -= ids
+        if self._open_path.exists():
+            self._count = sum(1 for _ in repair_jsonl(self._open_path)[0])
+        self._writer = JsonlAppender(self._open_path)
+        return dropped
 
     def add_error(self, record: dict[str, Any]) -> None:
         """Append an error unless the same one is already recorded (reruns meet the same bad
@@ -210,6 +253,31 @@ class ShardStore:
         fsync_dir(self.root)
 
 
+def _record_id(raw: bytes) -> str | None:
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return record.get("id") if isinstance(record, dict) else None
+
+
+SAMPLE_LISTS = ("prompt_token_ids", "completion_token_ids")
+
+
+def not_a_sample(record: Any) -> str | None:
+    """Why a parsed line is not a usable sample record (None if it is). Why check here: a record
+    without ``prompt_token_ids`` made extract die with a KeyError naming neither file nor line
+    (issue #30); now every reader skips it as an unreadable line, named, and generate requests
+    that sample again."""
+    if not isinstance(record, dict) or "id" not in record:
+        return "not a sample record (no id)"
+    for key in SAMPLE_LISTS:
+        ids = record.get(key)
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            return f"not a sample record ({key} missing or not a list of ids)"
+    return None
+
+
 def iter_samples(
     root: Path, on_bad: Callable[[str, str], None] | None = None
 ) -> Iterator[dict[str, Any]]:
@@ -231,10 +299,12 @@ def iter_samples(
                     continue
                 try:
                     record = json.loads(line)
-                    if not isinstance(record, dict) or "id" not in record:
-                        raise ValueError("not a sample record (no id)")
                 except (ValueError, UnicodeDecodeError) as e:
                     report(f"{shard}:{lineno}", f"unreadable line ({type(e).__name__}: {e})")
+                    continue
+                why = not_a_sample(record)
+                if why:
+                    report(f"{shard}:{lineno}", f"unreadable line ({why})")
                     continue
                 yield record
 

@@ -74,8 +74,8 @@ def probe(
     base_url: str, model: str | None, api_key: str | None = None, timeout: float = 5.0
 ) -> str | None:
     """None if ready, else a short reason (for the timeout message). Raises EndpointError on a
-    404/401/403, which waiting cannot fix (a wrong path used to wait out the whole ready
-    timeout)."""
+    404/401/403, or a model list without ``model``, which waiting cannot fix (a wrong path or a
+    wrong served name used to wait out the whole ready timeout: 600 s in the shipped profile)."""
     base_url = root_url(base_url)
     try:
         with httpx.Client(timeout=timeout, headers=auth_headers(api_key)) as c:
@@ -95,7 +95,12 @@ def probe(
     except ValueError as e:
         return f"/v1/models did not answer JSON: {e}"
     if model is not None and model not in ids:
-        return f"model {model!r} not served (served: {ids})"
+        if ids:  # a server that lists other models will not start serving this one by waiting
+            raise EndpointError(
+                f"{base_url}/v1/models does not list {model!r} (it serves {ids}): set "
+                "target.served_model_name to the served name, then rerun"
+            )
+        return f"model {model!r} not served yet (the list is empty)"
     return None
 
 

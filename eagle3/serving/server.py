@@ -10,6 +10,7 @@ Ctrl-C, stops what this call started (and nothing it did not start).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -190,6 +191,27 @@ def _process_command(
     return port, argv
 
 
+# A server stopped before it was ready gets this long after SIGTERM before SIGKILL: vLLM does
+# not act on SIGTERM while it loads, and the full serve.stop_timeout_s (60 s) was waited in
+# silence after a Ctrl-C (issue #30). Nothing of a loading server is worth a clean shutdown.
+LOADING_STOP_S = 5.0
+
+
+def stop_loading(child: ChildProcess, stop_timeout_s: float) -> None:
+    """Stop a server that never got ready (interrupted, timed out or dead), saying so."""
+    if child.running():
+        grace = min(stop_timeout_s, LOADING_STOP_S)
+        print(
+            f"stopping the vLLM server (pid {child.pid}) that was still loading: SIGTERM, then "
+            f"SIGKILL after {grace:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        child.stop(timeout_s=grace)
+    else:
+        child.stop(timeout_s=stop_timeout_s)
+
+
 def _start_process(
     cfg: PipelineConfig,
     model: str,
@@ -221,7 +243,7 @@ def _start_process(
             describe=lambda: f"\n--- last lines of {log_path} ---\n{tail(log_path)}",
         )
     except BaseException:
-        child.stop(timeout_s=s.stop_timeout_s)
+        stop_loading(child, s.stop_timeout_s)
         raise
     return Server(
         base_url,

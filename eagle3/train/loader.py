@@ -85,8 +85,8 @@ class Loader:
     :func:`eagle3.train.batch.make_batch_fast` builds it, the same values); ``prefetch(groups)``
     starts the host work of batches asked for next (with ``prefetch=True``; else a no-op).
 
-    With a thread, ``sample`` / ``fetch`` is only ever called on it (the shards' handles are not shared
-    between threads), in the order batches were asked for."""
+    With a thread, ``sample`` / ``fetch`` is only ever called on it (the shards' handles are not
+    shared between threads), in the order batches were asked for."""
 
     def __init__(
         self,

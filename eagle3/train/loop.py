@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3.atomic import write_json_atomic
-from eagle3.draft import DraftModel, build_draft
+from eagle3.draft import DraftModel
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
@@ -33,18 +32,20 @@ from eagle3.train.batch import (
     make_batch,
     zero_weight,
 )
+from eagle3.train.build import build_model
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
 from eagle3.train.compiled import maybe_compile
 from eagle3.train.device_data import DeviceData, fits, make_batch_device
 from eagle3.train.distributed import Dist, hold_frozen_bf16, init_distributed, wrap_for_training
 from eagle3.train.loader import Loader, open_extract, prefetch_on
 from eagle3.train.metrics import epoch_metrics, write_metrics
-from eagle3.train.online import OnlineStates, open_online
+from eagle3.train.online import OnlineStates, open_online, states_report
 from eagle3.train.optim import lr_at, make_optimizer
 from eagle3.train.progress import StepQueue, check_finite
+from eagle3.train.resume_guard import extract_identity, resumable
 from eagle3.train.step import make_autocast, resolve_step_impl, train_step_async
 from eagle3.train.step_fast import PendingStep, StepResult
-from eagle3.train.target import TargetHead, init_head_from_target, load_target_head
+from eagle3.train.target import TargetHead, load_target_head
 from eagle3.train.weight_cast import set_weight_cast
 from eagle3.vocab import VocabMapping, load_vocab
 
@@ -151,7 +152,7 @@ def _train(
     try:
         run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
         state, resumed_from = TrainState(), None
-        if resume and (run.ckpt / "state.json").is_file():
+        if resume and resumable(run.ckpt, run.extra["extract"], extract_dir):
             state = resume_from(run)
             resumed_from = state.step
 
@@ -204,7 +205,7 @@ def _train(
             "batches_per_step": run.group,
         },
         **{k: run.extra[k] for k in ("data_on_device", "compiled", "weight_cast")},
-        "states": states_report(cfg, run),
+        "states": states_report(cfg.extract, run.loader, run.ds),
         "loop_s": loop_s,
         "wall_s": round(time.time() - started, 2),
     }
@@ -213,58 +214,6 @@ def _train(
     if d.world > 1:
         dist.barrier()  # the export and manifest exist when any rank returns
     return manifest
-
-
-def states_report(cfg: Any, run: Run) -> dict[str, Any]:
-    """Where the states came from and, online, what producing them cost: the target's time
-    (``produce_s``, on the loader thread or the server) against the time the step waited for
-    batches (``step_wait_s``): the difference was hidden behind the draft's steps."""
-    out: dict[str, Any] = {"mode": cfg.extract.states, "backend": cfg.extract.backend}
-    if run.loader is not None:
-        out["step_wait_s"] = round(run.loader.wait_s, 2)
-    if isinstance(run.ds, OnlineStates):
-        out.update(run.ds.stats())
-    return out
-
-
-def build_model(
-    cfg: Any, target_dir: Path, vocab: VocabMapping, ds: HiddenStateDataset
-) -> DraftModel:
-    """The draft of ``train.draft_arch`` from the seed, checked against the vocab and the stored
-    states, its read-out optionally started from the target's and frozen."""
-    tc = cfg.train
-    overrides = {
-        k: v
-        for k, v in {
-            "num_attention_heads": tc.draft_num_attention_heads,
-            "num_key_value_heads": tc.draft_num_key_value_heads,
-            "intermediate_size": tc.draft_intermediate_size,
-            "norm_before_residual": tc.norm_before_residual or None,
-        }.items()
-        if v is not None
-    }
-    torch.manual_seed(tc.seed)
-    random.seed(tc.seed)
-    aux_layers = list(cfg.aux_layers)
-    model = build_draft(
-        target_dir, vocab.draft_vocab_size, aux_layers, arch=cfg.draft_arch, **overrides
-    )
-    dcfg = model.config
-    if vocab.target_vocab_size != dcfg.vocab_size:
-        raise ValueError(
-            f"vocab built for {vocab.target_vocab_size} target ids, target has {dcfg.vocab_size}"
-        )
-    if ds.aux_width is not None and ds.aux_width != dcfg.fc_input_size:
-        raise ValueError(
-            f"stored aux width {ds.aux_width} != {len(aux_layers)} x {dcfg.target_hidden_size}"
-        )
-    if tc.head_init != "random":
-        init_head_from_target(model, target_dir, vocab.draft_ids, norm=tc.head_init == "target")
-    if tc.freeze_head:  # target_lm_head: the final norm (started at 1) still trains
-        norm = () if tc.head_init == "target_lm_head" else tuple(model.norm.parameters())
-        for prm in (*model.lm_head.parameters(), *norm):
-            prm.requires_grad_(False)
-    return model
 
 
 def set_up(
@@ -326,6 +275,7 @@ def set_up(
         "weight_cast": weight_cast,
         "train_config": tc.model_dump(mode="json"),
         "draft_config": model.config.to_dict(),
+        "extract": extract_identity(ds.root),  # a checkpoint resumes only on its own extract
     }
     return Run(
         cfg,

@@ -214,7 +214,7 @@ class OnlineStates:
     ):
         self.tokens, self.producer, self.cache = tokens, producer, cache
         self.storage_dtype, self.dtype = storage_dtype, dtype
-        self.ids = tokens.ids
+        self.ids, self.root = tokens.ids, tokens.root
         self.has_states = True
         self.aux_width = None  # the producer's, by construction
         self._inflight: dict[int, Future] = {}
@@ -326,6 +326,18 @@ class OnlineStates:
         self.producer.close()
 
 
+def states_report(extract: Any, loader: Any, ds: Any) -> dict[str, Any]:
+    """Where the states came from and, online, what producing them cost: the target's time
+    (``produce_s``, on the loader thread or the server) against the time the step waited for
+    batches (``step_wait_s``): the difference was hidden behind the draft's steps."""
+    out: dict[str, Any] = {"mode": extract.states, "backend": extract.backend}
+    if loader is not None:
+        out["step_wait_s"] = round(loader.wait_s, 2)
+    if isinstance(ds, OnlineStates):
+        out.update(ds.stats())
+    return out
+
+
 def open_online(
     cfg: Any,
     tokens: HiddenStateDataset,
@@ -361,4 +373,12 @@ def open_online(
     return OnlineStates(tokens, producer, cache, e.storage_dtype, dtype, out_dir / "errors.jsonl")
 
 
-__all__ = ["HFProducer", "OnlineStates", "StateCache", "VllmProducer", "disk_bytes", "open_online"]
+__all__ = [
+    "HFProducer",
+    "OnlineStates",
+    "StateCache",
+    "VllmProducer",
+    "disk_bytes",
+    "open_online",
+    "states_report",
+]

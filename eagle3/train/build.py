@@ -1,0 +1,55 @@
+"""The draft the train stage builds: :func:`build_model` (from the seed, checked against the vocab
+and the extract, its read-out optionally started from the target's and frozen)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.draft import DraftModel, build_draft
+from eagle3.extract.storage import HiddenStateDataset
+from eagle3.train.target import init_head_from_target
+from eagle3.vocab import VocabMapping
+
+
+def build_model(
+    cfg: Any, target_dir: Path, vocab: VocabMapping, ds: HiddenStateDataset
+) -> DraftModel:
+    """The draft of ``train.draft_arch`` from the seed, checked against the vocab and the stored
+    states, its read-out optionally started from the target's and frozen."""
+    tc = cfg.train
+    overrides = {
+        k: v
+        for k, v in {
+            "num_attention_heads": tc.draft_num_attention_heads,
+            "num_key_value_heads": tc.draft_num_key_value_heads,
+            "intermediate_size": tc.draft_intermediate_size,
+            "norm_before_residual": tc.norm_before_residual or None,
+        }.items()
+        if v is not None
+    }
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    aux_layers = list(cfg.aux_layers)
+    model = build_draft(
+        target_dir, vocab.draft_vocab_size, aux_layers, arch=cfg.draft_arch, **overrides
+    )
+    dcfg = model.config
+    if vocab.target_vocab_size != dcfg.vocab_size:
+        raise ValueError(
+            f"vocab built for {vocab.target_vocab_size} target ids, target has {dcfg.vocab_size}"
+        )
+    if ds.aux_width is not None and ds.aux_width != dcfg.fc_input_size:
+        raise ValueError(
+            f"stored aux width {ds.aux_width} != {len(aux_layers)} x {dcfg.target_hidden_size}"
+        )
+    if tc.head_init != "random":
+        init_head_from_target(model, target_dir, vocab.draft_ids, norm=tc.head_init == "target")
+    if tc.freeze_head:  # target_lm_head: the final norm (started at 1) still trains
+        norm = () if tc.head_init == "target_lm_head" else tuple(model.norm.parameters())
+        for prm in (*model.lm_head.parameters(), *norm):
+            prm.requires_grad_(False)
+    return model
