@@ -149,33 +149,26 @@ def _train(
     model = build_model(cfg, target_dir, vocab, ds)
     if not ds.has_states:  # extract.states online: the target produces them as train asks
         ds = open_online(cfg, ds, target_dir, out_dir, dev, ds.dtype, d.rank, d.world)
+    run = None
     try:
         run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
         state, resumed_from = TrainState(), None
         if resume and resumable(run.ckpt, run.extra["extract"], extract_dir):
             state = resume_from(run)
             resumed_from = state.step
-
         loop_started = time.time()
-        try:
-            finished = run_epochs(run, state, out_dir, max_steps, on_progress)
-        finally:
-            if run.loader is not None:
-                run.loader.close()
+        finished = run_epochs(run, state, out_dir, max_steps, on_progress)
     finally:
+        if run is not None and run.loader is not None:
+            run.loader.close()
         if isinstance(ds, OnlineStates):
             ds.close()  # the vLLM server it started stops here, on an error too
     if not finished:
         run.save(state)
         if d.world > 1:
             dist.barrier()
-        return {
-            "stage": "train",
-            "complete": False,
-            "step": state.step,
-            "total_steps": run.total_steps,
-            "checkpoint": str(run.ckpt),
-        }
+        done = {"step": state.step, "total_steps": run.total_steps, "checkpoint": str(run.ckpt)}
+        return {"stage": "train", "complete": False, **done}
 
     loop_s = round(time.time() - loop_started, 2)  # the steps alone (no setup, no export)
     check_finite(state, extract_dir)
