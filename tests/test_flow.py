@@ -84,3 +84,27 @@ def test_hero_run_with_verify_prints_acceptance_length(tiny_hero, smol_model, tm
     verify_dir = Path(stages["verify"]["dir"])
     assert (verify_dir / "report.json").is_file() and stages["verify"]["info"]["gate"]["passed"]
     assert json.loads((verify_dir / "report.json").read_text())["acceptance_length"] == al
+
+
+def test_hero_run_with_online_states(tiny_hero, tmp_path):
+    """The hero run through Prefect with ``extract.states: online`` on a copy of the session's
+    run: generate is a cache hit, extract reruns and stores token ids and masks only, vocab is a
+    cache hit (the same tokens: its key does not change), train produces the states itself."""
+    from flows.hero_run import HeroRunParams, hero_run
+
+    runs = tmp_path / "runs"
+    shutil.copytree(tiny_hero.runs_dir, runs, symlinks=True)
+    overrides = [*tiny_hero.with_runs_dir(runs), "extract.states=online"]
+    summary = hero_run(
+        HeroRunParams(profile=str(CPU_PROFILE), overrides=overrides, stages=TINY_STAGES)
+    )
+    stages = summary["stages"]
+    assert [stages[s]["status"] for s in TINY_STAGES] == ["cached", "ran", "cached", "ran"]
+    extract_dir, train_dir = Path(stages["extract"]["dir"]), Path(stages["train"]["dir"])
+    assert json.loads((extract_dir / "manifest.json").read_text())["states"] == "online"
+    off = tiny_hero.summary["stages"]["extract"]
+    assert stages["extract"]["key"] != off["key"]
+    st = json.loads((train_dir / "manifest.json").read_text())["states"]
+    assert st["mode"] == "online" and st["produced"] > 0
+    assert st["cache_peak_bytes"] <= st["cache_budget_bytes"]
+    assert (train_dir / "vllm-draft" / "config.json").is_file()
