@@ -13,6 +13,7 @@ import yaml
 
 from eagle3 import PROJECT_ROOT
 from eagle3.config import PipelineConfig
+from eagle3.plan_states import states_plan
 from eagle3.serving.command import format_command, vllm_command
 
 STAGES = ["prepare-model", "serve", "generate", "extract", "vocab", "train", "verify"]
@@ -223,9 +224,15 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
     if cfg.extract.backend == "vllm":
         stages["extract"]["server"] = extract_server_plan(cfg, model)
     stages["vocab"] = {"settings": dump(cfg.vocab), "artifact": str(cfg.paths.stage_dir("vocab"))}
+    draft = draft_plan(cfg, model)
+    stages["extract"]["states (offline or online: extract.states)"] = states_plan(
+        cfg,
+        target_config_for_plan(cfg, model)[0],
+        (draft.get("parameters") or {}).get("trainable"),
+    )
     stages["train"] = {
         "settings": dump(cfg.train),
-        "draft": draft_plan(cfg, model),
+        "draft": draft,
         "artifact": str(cfg.paths.stage_dir("train")),
     }
     draft_dir = cfg.paths.stage_dir("train") / "vllm-draft"

@@ -80,14 +80,15 @@ def states_plan(
     offline: dict[str, Any] = {
         "what": f"extract ({e.backend}) stores every token's states ({per_token:,} B a token, "
         f"{e.storage_dtype}); train reads them back every epoch",
-        "disk": f"up to {_gib(tokens * per_token)} ({cfg.generate.num_samples} samples at full length)"
+        "disk": f"up to {_gib(tokens * per_token)} ({cfg.generate.num_samples} samples)"
         if tokens
         else f"{per_token:,} B a token (generate.num_samples unset: no bound)",
         "gpus": "extract, then train: each stage has every GPU to itself",
     }
     cache = tc.state_cache_gib * 1024**3
     online: dict[str, Any] = {
-        "what": f"extract stores token ids and loss masks ({TOKEN_BYTES} B a token); train asks the "
+        "what": f"extract stores token ids and loss masks ({TOKEN_BYTES} B a token); train asks "
+        "the "
         + (
             "target's vLLM extract server (started by train, the extract settings) for each batch"
             if e.backend == "vllm"
@@ -105,7 +106,8 @@ def states_plan(
             f"{s.tensor_parallel_size}, gpu_memory_utilization {util or 'vLLM default'}); "
             f"{tc.nproc_per_node} training rank(s) on "
             + (
-                "the same GPUs, in the memory the server leaves (extract.online_gpu_memory_utilization)"
+                "the same GPUs, in the memory the server leaves "
+                "(extract.online_gpu_memory_utilization)"
                 if e.online_server_gpus is None
                 else "the GPUs the server does not use (CUDA_VISIBLE_DEVICES of train)"
             )
@@ -122,7 +124,10 @@ def states_plan(
         cost = f"the target's forward, ~{flops / 1e9:,.1f} GFLOP a token, every epoch ({tc.epochs})"
         if draft_trainable:
             draft = 6.0 * draft_trainable * tc.ttt_steps
-            cost += f" beside the draft's ~{draft / 1e9:,.1f} GFLOP a token a step (6 x trainable x TTT {tc.ttt_steps})"
+            cost += (
+                f" beside the draft's ~{draft / 1e9:,.1f} GFLOP a token a step "
+                f"(6 x trainable x TTT {tc.ttt_steps})"
+            )
         if tokens:
             hit = min(1.0, cache / (tokens * per_token))
             cost += f"; the cache holds {hit:.1%} of the states at most"

@@ -133,13 +133,16 @@ def _gpus(cfg: PipelineConfig) -> Check:
 
 
 def extract_bytes_upper_bound(cfg: PipelineConfig) -> int | None:
-    """Hidden states of every sample at full length: 3 aux + 1 final state per token."""
-    n = cfg.generate.num_samples
-    if n is None:
+    """What the states of every sample at full length hold on disk: offline, 3 aux + 1 final
+    state per token; online (``extract.states``), token ids and masks plus the state cache."""
+    from eagle3.plan_states import TOKEN_BYTES, state_bytes_per_token, tokens_bound
+
+    tokens = tokens_bound(cfg)
+    if tokens is None:
         return None
-    per_value = 2 if cfg.extract.storage_dtype == "bfloat16" else 1
-    tokens = min(cfg.generate.max_tokens + 512, cfg.extract.max_seq_len)  # 512: a generous prompt
-    return n * tokens * 4 * cfg.target.hidden_size * per_value
+    if cfg.extract.states == "online":
+        return tokens * TOKEN_BYTES + int(cfg.train.state_cache_gib * 1024**3)
+    return tokens * state_bytes_per_token(cfg)
 
 
 def _size(n: float) -> str:
@@ -156,7 +159,13 @@ def _disk(cfg: PipelineConfig) -> Check:
         )
     detail = (
         f"{_size(free)} free at {where}; extract stores at most {_size(need)} "
-        f"({cfg.generate.num_samples} samples at full length, {cfg.extract.storage_dtype})"
+        f"({cfg.generate.num_samples} samples at full length, {cfg.extract.storage_dtype}, "
+        f"states {cfg.extract.states}"
+        + (
+            f": tokens + {cfg.train.state_cache_gib:g} GiB cache)"
+            if cfg.extract.states == "online"
+            else ")"
+        )
     )
     if free >= need:
         return Check("disk", "ok", detail)

@@ -4,10 +4,9 @@ A :class:`Stage` says what the CLI (``eagle3/cli.py``), the Prefect tasks (``tas
 artifact bookkeeping (``eagle3/artifacts.py``) need to know about it:
 
 - ``name`` and ``inputs``: the stages whose artifacts it reads (the DAG);
-- ``code_version``: bump it when a change to the stage's code changes what it writes;
-- ``key_config``: the configuration its output depends on. A field of the stage's own config
-  section counts unless it is marked ``UNKEYED`` (``eagle3/config_sections.py``); a serve field
-  counts for the stages its ``keys_stages(...)`` mark names;
+- ``code_version`` and ``key_config``: what its cache key hashes besides its inputs' keys (for the
+  built-in stages both live in :mod:`eagle3.keys`, which the stages' own modules import without
+  importing this contract);
 - ``run``: the library call, given a :class:`StageRun` (config, output folder, input folders);
 - ``summary``: the small result kept in ``artifact.json`` (the keys later stages take, the few
   numbers a report shows);
@@ -27,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from eagle3 import artifacts
-from eagle3.config import PipelineConfig, ServeConfig
+from eagle3.config import PipelineConfig
+from eagle3.keys import CODE_VERSIONS, INPUTS, KEY_CONFIG, key_of, keyed, serve_keyed  # noqa: F401
 from eagle3.serving.gpus import release_gpus
 
 VOCAB_FILE = "vocab.safetensors"
@@ -67,73 +65,20 @@ class Stage:
 
 
 # ---------------------------------------------------------------------------
-# Cache keys from the marks on the config fields
+# Keys
 
 
-def keyed(section: BaseModel) -> dict[str, Any]:
-    """A config section without its ``UNKEYED`` fields (they change how a stage runs, not what
-    it writes)."""
-    skip = {
-        n
-        for n, f in type(section).model_fields.items()
-        if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("cache_key") is False
-    }
-    return section.model_dump(mode="json", exclude=skip)
+def stage_config(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
+    """The configuration ``stage``'s output depends on."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(NAMES)}")
+    return STAGES[stage].key_config(cfg)
 
 
-def serve_keyed(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
-    """The serve fields that key ``stage`` (those whose ``keys_stages`` mark names it)."""
-    serve = cfg.serve.model_dump(mode="json")
-    return {
-        n: serve[n]
-        for n, f in ServeConfig.model_fields.items()
-        if isinstance(f.json_schema_extra, dict)
-        and stage in f.json_schema_extra.get("cache_key_stages", ())
-    }
-
-
-def _generate_key(cfg: PipelineConfig) -> dict[str, Any]:
-    g = keyed(cfg.generate)
-    g["exclude_files"] = [
-        {"path": str(p), "sha": artifacts.file_digest(p)} for p in cfg.generate.exclude_files
-    ]
-    target = artifacts.target_identity(cfg)
-    return {"target": target, "generate": g, "serve": serve_keyed(cfg, "generate")}
-
-
-def _extract_key(cfg: PipelineConfig) -> dict[str, Any]:
-    e = keyed(cfg.extract)
-    e["aux_layers"] = cfg.aux_layers  # resolved: the default depends on the target's depth
-    out = {"target": artifacts.target_identity(cfg), "extract": e}
-    if cfg.extract.backend == "vllm":
-        out["serve"] = serve_keyed(cfg, "extract")
-    return out
-
-
-def _vocab_key(cfg: PipelineConfig) -> dict[str, Any]:
-    return {"vocab": keyed(cfg.vocab), "target_vocab_size": cfg.target.vocab_size}
-
-
-def _train_key(cfg: PipelineConfig) -> dict[str, Any]:
-    t = keyed(cfg.train)
-    # One optimizer step takes world size x grad_accum batches: 2 ranks with grad_accum 1 train the
-    # same draft as 1 process with grad_accum 2 (DDP or FSDP alike), so that product is the key.
-    # The world size is torchrun's, or the one the train stage launches.
-    world = int(os.environ.get("WORLD_SIZE") or cfg.train.nproc_per_node)
-    t["batches_per_step"] = world * cfg.train.grad_accum
-    out = {"target": artifacts.target_identity(cfg), "train": t, "aux_layers": cfg.aux_layers}
-    if cfg.extract.states == "online" and cfg.extract.backend == "vllm":
-        # online, train runs the extract server: its serve settings make the states
-        out["serve"] = serve_keyed(cfg, "extract")
-    return out
-
-
-def _verify_key(cfg: PipelineConfig) -> dict[str, Any]:
-    return {
-        "target": artifacts.target_identity(cfg),
-        "verify": keyed(cfg.verify),
-        "serve": serve_keyed(cfg, "verify"),
-    }
+def stage_key(cfg: PipelineConfig, stage: str, inputs: dict[str, str] | None = None) -> str:
+    """hash(stage, code version, the stage's configuration, the keys of its inputs)."""
+    s = STAGES[stage]
+    return key_of(stage, s.code_version, stage_config(cfg, stage), s.inputs, inputs)
 
 
 # ---------------------------------------------------------------------------
@@ -278,55 +223,33 @@ def _verify_summary(r: StageRun, result: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 # The registry (pipeline order)
 
+
+def _builtin(
+    name: str, run: Callable, summary: Callable, files: dict | None = None, gpus: bool = False
+) -> Stage:
+    """A built-in stage: its inputs, key and code version come from :mod:`eagle3.keys`."""
+    return Stage(
+        name, INPUTS[name], KEY_CONFIG[name], run, summary, files or {}, CODE_VERSIONS[name], gpus
+    )
+
+
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("generate", (), _generate_key, _run_generate, _generate_summary),
-        Stage("extract", ("generate",), _extract_key, _run_extract, _extract_summary, gpus=True),
-        Stage("vocab", ("extract",), _vocab_key, _run_vocab, _vocab_summary, {"vocab": VOCAB_FILE}),
-        Stage(
+        _builtin("generate", _run_generate, _generate_summary),
+        _builtin("extract", _run_extract, _extract_summary, gpus=True),
+        _builtin("vocab", _run_vocab, _vocab_summary, {"vocab": VOCAB_FILE}),
+        _builtin(
             "train",
-            ("extract", "vocab"),
-            _train_key,
             _run_train,
             _train_summary,
             {"draft": DRAFT_DIR, "metrics": "metrics.json"},
             gpus=True,
         ),
-        Stage(
-            "verify", ("train",), _verify_key, _run_verify, _verify_summary, {"report": "report.md"}
-        ),
+        _builtin("verify", _run_verify, _verify_summary, {"report": "report.md"}),
     )
 }
 NAMES: tuple[str, ...] = tuple(STAGES)
-
-
-# ---------------------------------------------------------------------------
-# Keys
-
-
-def stage_config(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
-    """The configuration ``stage``'s output depends on."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(NAMES)}")
-    return STAGES[stage].key_config(cfg)
-
-
-def stage_key(cfg: PipelineConfig, stage: str, inputs: dict[str, str] | None = None) -> str:
-    """hash(stage, code version, the stage's configuration, the keys of its inputs)."""
-    inputs = dict(inputs or {})
-    s = STAGES[stage]
-    missing = [i for i in s.inputs if i not in inputs]
-    if missing:
-        raise ValueError(f"stage {stage}: input keys missing for {missing}")
-    return artifacts.digest(
-        {
-            "stage": stage,
-            "code": s.code_version,
-            "config": stage_config(cfg, stage),
-            "inputs": {i: inputs[i] for i in s.inputs},
-        }
-    )
 
 
 def dependants(stages: Iterable[str]) -> set[str]:

@@ -171,7 +171,10 @@ def test_preflight_of_the_kimi_profile_here_names_every_blocker(fake_systemd, tm
     )
     assert status[("target", "target moonshotai/Kimi-K2.5")] == "warn"  # vLLM downloads it at serve
     disk = next(c for c in checks.values() if c.name == "disk")
-    assert "extract stores at most 4648 GiB (10000 samples at full length, bfloat16)" in disk.detail
+    assert (
+        "extract stores at most 4648 GiB (10000 samples at full length, bfloat16, states offline)"
+        in disk.detail
+    )
     assert "systemctl start" not in (fake_systemd / "calls.log").read_text()  # nothing started
 
 
@@ -193,3 +196,33 @@ def test_dry_run_of_the_hero_run(capsys):
     assert "draft: llama" in text and all(c["status"] == "ok" for c in out["checks"]), text
     with pytest.raises(SystemExit, match="pre-flight check.* failed .*gpus"):
         main(["--dry-run", "-c", str(KIMI_PROFILE)])
+
+
+def test_kimi_plan_shows_both_state_layouts_and_preflight_sizes_the_chosen_one():
+    """Offline stores ~4.6 TB for the hero run; online keeps tokens + a 2 GiB cache and needs the
+    target's GPUs while train runs (issue 29)."""
+    from eagle3.config import load_config
+    from eagle3.preflight import extract_bytes_upper_bound
+
+    r = runner.invoke(app, ["plan", "--config", str(KIMI_PROFILE), "--json"])
+    plan = json.loads(r.output)
+    states = plan["stages"]["extract"]["states (offline or online: extract.states)"]
+    assert states["chosen"] == "offline"
+    assert "4,648.4 GiB" in states["offline"]["disk"]
+    on = states["online"]
+    assert "2.0 GiB of cached states" in on["disk"] and "0.7 GiB of tokens" in on["disk"]
+    assert "tensor parallel 8" in on["gpus"] and "same GPUs" in on["gpus"]
+    assert "GFLOP a token" in on["cost"] and "one process" in on["note"]
+    off = extract_bytes_upper_bound(load_config(KIMI_PROFILE))
+    online = extract_bytes_upper_bound(load_config(KIMI_PROFILE, ["extract.states=online"]))
+    assert off > 4000 * 1024**3 and online < 3 * 1024**3
+
+
+def test_the_stages_own_modules_do_not_import_the_stage_contract():
+    """eagle3/stages.py runs extract and generate; their modules key folders through eagle3.keys,
+    never through the contract (the import circle issue 29 asked to break)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "eagle3"
+    for mod in ("extract/runner.py", "generate/status.py", "keys.py"):
+        assert "eagle3.stages" not in (root / mod).read_text(), mod

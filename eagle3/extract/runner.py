@@ -29,6 +29,7 @@ from eagle3.extract.inputs import Example, iter_examples
 from eagle3.extract.storage import Sample, ShardWriter
 from eagle3.generate.checks import require_checked_ids
 from eagle3.generate.storage import JsonlAppender, SampleScan, repair_jsonl, scan_samples
+from eagle3.keys import extract_settings_key
 
 CONVENTION = (
     "vLLM: aux layer k is the INPUT of decoder layer k "
@@ -66,11 +67,7 @@ def check_fingerprint(
 
 def settings_key(cfg: PipelineConfig) -> str:
     """The extract stage key without its input: equal keys store equal states for equal tokens."""
-    from eagle3.artifacts import digest
-    from eagle3.stages import STAGES, stage_config
-
-    code = STAGES["extract"].code_version
-    return digest({"stage": "extract", "code": code, "config": stage_config(cfg, "extract")})
+    return extract_settings_key(cfg)
 
 
 def previous_extract(cfg: PipelineConfig, out_dir: Path) -> Path | None:

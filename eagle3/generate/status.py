@@ -57,7 +57,7 @@ def selected_prompt_ids(cfg: PipelineConfig) -> list[str]:
 def generate_status(cfg: PipelineConfig, key: str | None = None) -> GenerateStatus:
     """Decide, before any server is started, whether generate has anything to do."""
     if key is None:
-        from eagle3.stages import stage_key
+        from eagle3.keys import stage_key
 
         key = stage_key(cfg, "generate")
     out_dir = cfg.paths.artifact_dir("generate", key)
