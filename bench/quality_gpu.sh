@@ -23,6 +23,7 @@
 #   device run: bash bench/quality_gpu.sh online             carry [".gpu/g2", ".gpu/d"] (issue 29, after
 #       `stage`: the profile's recipe with online states over the whole mixture, then offline vs
 #       online x bf16 vs fp8 on 4,000 samples; in the background); then `poll` until "all done"
+#       and `fetch-draft` (the main run's draft comes back in parts, for vLLM CPU here)
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
 #       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
 #
@@ -127,6 +128,13 @@ online-steps)
 poll)
   tail -n "${2:-40}" /tmp/q/online.log; df -h /tmp | tail -1; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
   cp /tmp/q/results*.jsonl /tmp/q/online.log "$OUT/" 2>/dev/null; true
+  ;;
+fetch-draft)
+  # the main online run's exported draft (bf16, ~45 MB with 32K rows), in 15 MB parts: a file
+  # back from the device is at most 16 MiB (join: cat draft.tar.part* | tar x)
+  D=/tmp/q/W/runs/${2:-online-all-v32k}/train
+  tar cf /tmp/q/draft.tar -C "$D" vllm-draft && split -b 15000000 -d /tmp/q/draft.tar "$OUT/draft.tar.part"
+  ls -la "$OUT"
   ;;
 reference)
   # speculators 0.9.0 (its own recipe) on the extract the last `run` made, EPOCHS planned epochs
