@@ -185,6 +185,34 @@ def trained_draft(gen_dir, smol_model, tmp_path_factory) -> Path:
     return Path(m["export"])
 
 
+SMOL_VLLM_AUX = [27, 2, 15]  # unsorted on purpose: vLLM returns them ascending
+
+
+@dataclass
+class VllmExtract:
+    dir: Path
+    manifest: dict
+    elapsed_s: float  # the extract stage's wall time, its server's start included
+
+
+@pytest.fixture(scope="session")
+def smol_vllm_extract(gen_dir, smol_model, tmp_path_factory) -> VllmExtract:
+    """The extract stage with the vLLM backend (one REAL vLLM server start) on the checked-in
+    generate output, auxiliary layers ``SMOL_VLLM_AUX``: compared with transformers in
+    tests/test_extract_vllm.py and trained on as the offline run in tests/test_online.py.
+    Read only: tests that write work next to it, not in it."""
+    import time
+
+    from eagle3.extract.runner import extract
+
+    root = tmp_path_factory.mktemp("smol-vllm-extract")
+    cfg = gen_cfg(root, "extract.backend=vllm", f"extract.aux_layers={SMOL_VLLM_AUX}")
+    require_vllm(cfg)
+    t0 = time.monotonic()
+    manifest = extract(cfg, gen_dir, root / "vllm", str(smol_model))
+    return VllmExtract(root / "vllm", manifest, time.monotonic() - t0)
+
+
 # ---------------------------------------------------------------------------
 # The hero-run flow: one Prefect backend and one finished tiny hero run per session
 

@@ -12,12 +12,8 @@ position gives errors of order 1, and the neighbour check below catches a shifte
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-
-from tests.conftest import require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -49,30 +45,30 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_vllm_backend_matches_transformers_and_the_hf_backend(gen_dir, smol_model, tmp_path):
-    """The extract stage with the vLLM backend (one server start) on the real generated data,
+def test_vllm_backend_matches_transformers_and_the_hf_backend(
+    smol_vllm_extract, gen_dir, smol_model, tmp_path
+):
+    """The extract stage with the vLLM backend (one server start, the session's
+    ``smol_vllm_extract``, which tests/test_online.py trains on too) on the real generated data,
     against transformers fp32 layer by layer (with the neighbour check) and against the HF
     backend's output for the same samples. The auxiliary layers are given unsorted: vLLM returns
     them in ascending order and the backend must put them back in the configured order."""
     from eagle3.extract.runner import extract
     from eagle3.extract.storage import HiddenStateDataset
-    from tests.conftest import gen_cfg
+    from tests.conftest import SMOL_VLLM_AUX, gen_cfg
 
-    aux = [27, 2, 15]
-    cfg = gen_cfg(tmp_path, "extract.backend=vllm", f"extract.aux_layers={aux}")
-    require_vllm(cfg)
-    t0 = time.monotonic()
-    vl = extract(cfg, gen_dir, tmp_path / "vllm", str(smol_model))
-    elapsed = time.monotonic() - t0
+    aux = SMOL_VLLM_AUX
+    assert aux != sorted(aux)
+    vl, elapsed = smol_vllm_extract.manifest, smol_vllm_extract.elapsed_s
     hf = extract(
         gen_cfg(tmp_path, f"extract.aux_layers={aux}"), gen_dir, tmp_path / "hf", str(smol_model)
     )
     assert vl["samples"] == hf["samples"] == 8 and vl["backend"] == "vllm"
-    assert not list((tmp_path / "vllm" / "vllm-work" / "vllm-hidden").iterdir()), (
+    assert not list((smol_vllm_extract.dir / "vllm-work" / "vllm-hidden").iterdir()), (
         "per-request files are deleted"
     )
 
-    got = HiddenStateDataset(tmp_path / "vllm", torch.float32)
+    got = HiddenStateDataset(smol_vllm_extract.dir, torch.float32)
     hfb = HiddenStateDataset(tmp_path / "hf", torch.float32)
     assert got.ids == hfb.ids
     refs = hf_reference(smol_model, [got[i].input_ids.tolist() for i in range(len(got))])

@@ -166,22 +166,25 @@ def test_kill_9_mid_epoch_resumes_to_the_same_weights(offline, gen_dir, smol_mod
 
 
 @pytest.mark.vllm
-def test_online_vllm_matches_offline_vllm(gen_dir, smol_model, tmp_path):
+def test_online_vllm_matches_offline_vllm(smol_vllm_extract, gen_dir, smol_model, tmp_path):
     """The vLLM source: train starts the extract server (the extract backend's server and
     connector), asks it for each batch ahead of the step, deletes each file it read, and matches
-    the offline run of the same server's stored states."""
+    the offline run of the same server's stored states (the session's vLLM extract,
+    ``smol_vllm_extract``: its auxiliary layers unsorted, as the online run's)."""
     from eagle3.extract.runner import extract
     from eagle3.train import train
     from eagle3.vocab import vocab_stage
+    from tests.conftest import SMOL_VLLM_AUX
 
-    off_cfg = gen_cfg(tmp_path, *BASE, "extract.backend=vllm")
+    vllm = ["extract.backend=vllm", f"extract.aux_layers={SMOL_VLLM_AUX}"]
+    off_cfg = gen_cfg(tmp_path, *BASE, *vllm)
     require_vllm(off_cfg)
-    extract(off_cfg, gen_dir, tmp_path / "ext-off", str(smol_model))
-    vocab_stage(tmp_path / "ext-off", tmp_path / "vocab", 49152, 512)
+    ext_off = smol_vllm_extract.dir
+    vocab_stage(ext_off, tmp_path / "vocab", 49152, 512)
     vocab = tmp_path / "vocab" / "vocab.safetensors"
-    train(off_cfg, tmp_path / "ext-off", vocab, smol_model, tmp_path / "train-off")
+    train(off_cfg, ext_off, vocab, smol_model, tmp_path / "train-off")
 
-    on_cfg = gen_cfg(tmp_path, *BASE, *ONLINE, "extract.backend=vllm")
+    on_cfg = gen_cfg(tmp_path, *BASE, *ONLINE, *vllm)
     extract(on_cfg, gen_dir, tmp_path / "ext-on", str(smol_model))
     t0 = time.monotonic()
     man = train(on_cfg, tmp_path / "ext-on", vocab, smol_model, tmp_path / "train-on")
