@@ -29,13 +29,13 @@ from eagle3.config_stages import (
     ExtractConfig,
     GenerateConfig,
     TrainConfig,
-    VerifyConfig,
     VocabConfig,
 )
+from eagle3.config_verify import VerifyConfig
 from eagle3.errors import ConfigError
 
-# The sections live in config_sections.py (setup, shared marks) and config_stages.py (one per
-# stage); everything is importable from here as before.
+# The sections live in config_sections.py (setup, shared marks), config_stages.py and
+# config_verify.py (one per stage); everything is importable from here as before.
 __all__ = [
     "EMBEDDED_PREFIX",
     "UNKEYED",

@@ -1,4 +1,5 @@
-"""One profile section per pipeline stage: generate, extract, vocab, train, verify.
+"""One profile section per pipeline stage: generate, extract, vocab, train (verify's is in
+eagle3/config_verify.py).
 
 The values of a section's fields key that stage's artifacts (eagle3/stages.py), except the
 fields marked ``UNKEYED``: they change how the stage runs, not what it writes.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from eagle3.config_sections import UNKEYED, _Section
 
@@ -327,118 +328,3 @@ class TrainConfig(_Section):
         "local ranks with torchrun (one per GPU); 1 trains in-process.",
         json_schema_extra=UNKEYED,
     )
-
-
-class VerifyConfig(_Section):
-    """Baseline server vs speculative server on the same workload; the gate decides promotion."""
-
-    num_speculative_tokens: int = Field(3, ge=1)
-    workload: str = Field(
-        "mt_bench",
-        description="'mt_bench' (80 two-turn questions) or a prompt file "
-        "(jsonl/json with 'turns' lists or a 'prompt'/'text' field).",
-    )
-    num_prompts: int | None = Field(
-        None, gt=0, description="Use the first N conversations (None: all)."
-    )
-    turns: int = Field(
-        2, ge=1, description="Turns per conversation; turn 2 follows the model's own turn-1 answer."
-    )
-    max_tokens: int = Field(256, gt=0)
-    temperature: float = Field(
-        0.0, ge=0, description="0: greedy (outputs of both servers must match)."
-    )
-    seed: int = 0
-    concurrency: list[int] = Field(default_factory=lambda: [1, 8])
-    warmup_requests: int = Field(2, ge=0)
-    timeout_s: float = Field(600, gt=0, json_schema_extra=UNKEYED)
-    min_acceptance_length: float = Field(1.0, ge=1)
-    max_regression: float = Field(
-        0.05,
-        ge=0,
-        lt=1,
-        description="Fail if acceptance length is more than this "
-        "fraction below the last promoted draft's (same workload and k).",
-    )
-    max_mismatch_fraction: float | None = Field(
-        None,
-        ge=0,
-        le=1,
-        description="Greedy only: fail when more "
-        "than this fraction of outputs differ (None: report only).",
-    )
-    promote: bool = Field(
-        True, description="Copy a draft that passes the gate to runs_dir/promoted/<profile>."
-    )
-    offline_estimate: bool = Field(
-        True,
-        description="Also estimate acceptance in PyTorch (target + draft) "
-        "on the baseline's own outputs, and report its difference from vLLM's.",
-    )
-    offline_max_sequences: int = Field(32, gt=0)
-    speculative_base_url: str | None = Field(
-        None,
-        description="external backend: the speculative server.",
-        json_schema_extra=UNKEYED,
-    )
-    speculative_unit: str | None = Field(
-        None,
-        description="systemd backend: the unit serving target + draft.",
-        json_schema_extra=UNKEYED,
-    )
-    candidate_link: str | None = Field(
-        None,
-        description="systemd backend: a stable path the speculative unit's "
-        "--speculative-config names; verify points this symlink at the draft under "
-        "test before starting the unit.",
-        json_schema_extra=UNKEYED,
-    )
-    # The free baseline every draft must beat: prompt lookup, vLLM's {"method": "ngram"}
-    # (docs/verify.md).
-    ngram_baseline: bool = Field(
-        True,
-        description="Also serve the target with n-gram (prompt lookup) "
-        "speculation on the same workload and report it next to the draft.",
-    )
-    ngram_prompt_lookup_min: int = Field(
-        1, ge=1, description="vLLM prompt_lookup_min: shortest n-gram matched."
-    )
-    ngram_prompt_lookup_max: int = Field(
-        4, ge=1, description="vLLM prompt_lookup_max: longest n-gram matched."
-    )
-    require_beat_ngram: bool = Field(
-        False,
-        description="Gate: fail unless the draft's acceptance length and its "
-        "speedup at the lowest concurrency both exceed the n-gram baseline's.",
-    )
-    ngram_base_url: str | None = Field(
-        None,
-        description="external backend: a server running the target with "
-        "the n-gram speculative config (without it the baseline is not measured).",
-    )
-    ngram_unit: str | None = Field(
-        None,
-        description="systemd backend: a unit serving the target with the "
-        "n-gram speculative config (without it the baseline is not measured).",
-    )
-
-    @model_validator(mode="after")
-    def _candidate_with_unit(self) -> VerifyConfig:
-        if self.speculative_unit and not self.candidate_link:
-            raise ValueError(
-                "verify.speculative_unit needs verify.candidate_link "
-                "(the draft path its unit serves)"
-            )
-        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
-            raise ValueError(
-                f"verify.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) is above "
-                f"verify.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})"
-            )
-        return self
-
-    @field_validator("concurrency")
-    @classmethod
-    def _positive(cls, v: list[int]) -> list[int]:
-        if not v or any(c < 1 for c in v):
-            raise ValueError("verify.concurrency must be a non-empty list of positive ints")
-        return v

@@ -239,7 +239,7 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
     spec = {
         "method": "eagle3",
         "model": str(draft_dir),
-        "num_speculative_tokens": cfg.verify.num_speculative_tokens,
+        "num_speculative_tokens": cfg.verify.k,
     }
     stages["verify"] = {
         "settings": dump(cfg.verify),

@@ -53,6 +53,33 @@ def ngram_summary(verify_dir: str | None) -> str | None:
     )
 
 
+def serving_summary(verify_dir: str | None) -> str | None:
+    """Which k to serve, per concurrency: the draft at its best k vs n-gram at its best k (the
+    verify report's ``serving``; a k sweep chose them)."""
+    try:
+        report = json.loads((Path(verify_dir) / "report.json").read_text()) if verify_dir else None
+    except (OSError, ValueError):
+        return None
+    serving = (report or {}).get("serving")
+    if not serving:
+        return None
+
+    def one(c: str, e: dict[str, Any]) -> str:
+        ng = e.get("ngram")
+        text = (
+            f"c={c}: draft k={e['num_speculative_tokens']} {e['tokens_per_s']:.1f} tok/s "
+            f"(x{e['speedup']:.2f})"
+        )
+        if ng:
+            text += (
+                f" vs n-gram k={ng['num_speculative_tokens']} {ng['tokens_per_s']:.1f} tok/s "
+                f"(x{ng['speedup']:.2f})"
+            )
+        return text
+
+    return "; ".join(one(c, e) for c, e in serving.items())
+
+
 def write_report(cfg: PipelineConfig, summary: dict[str, Any]) -> None:
     """hero-run.json in the run dir, and the UI's markdown summary and tables."""
     cfg.paths.run_dir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +175,9 @@ def _stage_info_lines(summary: dict[str, Any]) -> list[str]:
         ngram = ngram_summary(stages.get("verify", {}).get("dir"))
         if ngram:
             lines.append(f"- n-gram baseline (prompt lookup, same workload): {ngram}")
+        serving = serving_summary(stages.get("verify", {}).get("dir"))
+        if serving:
+            lines.append(f"- **serve** (each method at its best measured k): {serving}")
     return lines
 
 
@@ -185,3 +215,6 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"acceptance length: {summary['acceptance_length']}"
             + (f" (n-gram baseline: {ngram})" if ngram else "")
         )
+        serving = serving_summary(summary["stages"]["verify"].get("dir"))
+        if serving:
+            print(f"serve (each at its best measured k): {serving}")

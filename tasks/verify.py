@@ -29,7 +29,9 @@ def verify_task(cfg: PipelineConfig, model: str, input_dirs: dict[str, str], out
 
     logger = get_run_logger()
     v = cfg.verify
-    windows = (3 if v.ngram_baseline else 2) * len(v.concurrency)  # every server, every concurrency
+    per_method = min(len(v.ks), len(v.ks) if v.sweep_measure_all else v.sweep_servers)
+    servers = 1 + (2 if v.ngram_baseline else 1) * per_method  # at most, for a k sweep
+    windows = servers * len(v.concurrency)  # every server, every concurrency
     progress = _Progress(windows)
     try:
         _, report, _ = run_stage(
@@ -89,6 +91,12 @@ def _publish(out: Path) -> None:
         description="Baseline vs speculative vs n-gram",
         table=_throughput_rows(report),
     )
+    if report.get("serving"):
+        create_table_artifact(
+            key="verify-serving",
+            description="What to serve: each method at its best measured k, per concurrency",
+            table=_serving_rows(report),
+        )
     create_markdown_artifact(
         key="verify-report",
         markdown=(out / "report.md").read_text() + f"\n\nPlot: `{out / 'report.png'}`\n",
@@ -134,6 +142,25 @@ def _throughput_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "n-gram tok/s": ng_w.get("ngram", {}).get("output_tokens_per_s"),
                 "n-gram speedup": ng_w.get("speedup"),
                 "n-gram acceptance length": ng_w.get("ngram", {}).get("acceptance_length"),
+            }
+        )
+    return rows
+
+
+def _serving_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for c, e in report["serving"].items():
+        ng = e.get("ngram") or {}
+        rows.append(
+            {
+                "concurrency": int(c),
+                "draft k": e["num_speculative_tokens"],
+                "draft tok/s": e["tokens_per_s"],
+                "draft speedup": e["speedup"],
+                "n-gram k": ng.get("num_speculative_tokens"),
+                "n-gram tok/s": ng.get("tokens_per_s"),
+                "n-gram speedup": ng.get("speedup"),
+                "--speculative-config": json.dumps(e["speculative_config"]),
             }
         )
     return rows

@@ -262,6 +262,7 @@ def tiny_hero_overrides(runs_dir: Path, dataset: Path, base_url: str) -> list[st
         "verify.warmup_requests=0",
         "verify.offline_estimate=false",
         "verify.min_acceptance_length=1.0",
+        "verify.num_speculative_tokens=2",  # one k: an external server serves one
     ]  # a 1-epoch draft on 4 samples barely beats 1
 
 

@@ -57,7 +57,7 @@ def test_hero_run_with_verify_prints_acceptance_length(tiny_hero, smol_model, tm
     runs = tmp_path / "runs"
     shutil.copytree(tiny_hero.runs_dir, runs, symlinks=True)
     draft = runs / "smollm2-cpu" / "train" / "latest" / "vllm-draft"
-    cfg = load_config(CPU_PROFILE, ["serve.port=0"])
+    cfg = load_config(CPU_PROFILE, ["serve.port=0", "verify.num_speculative_tokens=2"])
     spec = {
         "method": "eagle3",
         "model": str(draft.resolve()),

@@ -74,3 +74,23 @@ def test_batched_estimate_equals_chain_walk():
     )  # short and full chains both occur: the comparison means something
     s = summarize_chains(fast, k)
     assert 1.0 < s["acceptance_length"] < k + 1
+
+
+def test_one_pass_gives_every_k():
+    """The k sweep's acceptance for every k from one pass at the largest (verify.num_speculative_
+    tokens as a list): capping each chain start's leading matches at k, then walking the chains,
+    equals the chain-by-chain walk run at that k."""
+    draft = small_draft(1)
+    kmax, start = 4, 3
+    d2t = torch.arange(draft.config.draft_vocab_size)
+    seqs = [sequence_following_draft(draft, n, 10 + seed) for seed, n in enumerate([36, 29])]
+    per_k = {}
+    for aux, ids in seqs:
+        acc = chain_accepts(draft, aux[None], ids[None], torch.tensor([ids.numel()]), kmax, d2t)
+        for k in range(1, kmax + 1):
+            capped = [min(a, k) for a in acc[0].tolist()]
+            got = walk_chains(capped, start, ids.numel())
+            assert got == chains_of_sequence(draft, aux, ids, start, k, d2t), k
+            per_k.setdefault(k, []).extend(got)
+    lengths = [summarize_chains(per_k[k], k)["acceptance_length"] for k in range(1, kmax + 1)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]  # more k, more accepted

@@ -194,7 +194,8 @@ def test_ngram_section_report_and_plot(tmp_path):
     the simulation over the server's own outputs next to them, speedups, markdown and plot."""
     from eagle3.config import load_config
     from eagle3.verify.ngram import ngram_chains
-    from eagle3.verify.report import plot, render_markdown
+    from eagle3.verify.plot import plot
+    from eagle3.verify.report import render_markdown
     from eagle3.verify.runner import ngram_section, versus_ngram
     from tests.conftest import CPU_PROFILE
 
@@ -326,7 +327,9 @@ def test_ngram_section_report_and_plot(tmp_path):
 
 @pytest.mark.vllm
 def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
-    """Baseline, then target + the trained draft: the report's numbers are the raw counters' numbers."""
+    """Baseline, then a k sweep (k = 2 and 3) of target + the trained draft and of target + n-gram:
+    the report's numbers at the chosen k are the raw counters' numbers, the sweep's predictions
+    meet its measurements where it served, and the promoted draft's serving config serves."""
     from eagle3.verify import verify
     from tests.conftest import gen_cfg
 
@@ -342,6 +345,8 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
         "serve.port=0",
         "serve.dtype=float32",
         "verify.min_acceptance_length=1.0",
+        "verify.num_speculative_tokens=[2, 3]",
+        "verify.sweep_servers=2",
     )  # a 2-epoch draft on 8 samples: barely above 1
     r = verify(cfg, str(smol_model), trained_draft, tmp_path / "verify")
     out = tmp_path / "verify"
@@ -350,7 +355,30 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
         out / "report.md"
     ).read_text()
 
-    k = cfg.verify.num_speculative_tokens
+    k = r["num_speculative_tokens"]  # the draft's best measured k at concurrency 1
+    for name in ("draft", "ngram"):
+        sw = r["sweep"][name]
+        assert sw["served"] == [3, 2] and not sw["checks"]  # both ends served: nothing to check
+        assert sw["best_measured"]["1"] in (2, 3)
+        for kk in ("2", "3"):  # two served ks: the line through them meets both
+            for c in ("1", "3"):
+                assert sw["predicted_tokens_per_s"][c][kk] == pytest.approx(
+                    sw["measured_tokens_per_s"][kk][c]
+                )
+    assert k == r["sweep"]["draft"]["best_measured"]["1"]
+    assert set(r["offline"]["by_k"]) == {2, 3} and r["offline"]["k"] == k
+    assert (
+        r["sweep"]["draft"]["acceptance_length"]["2"]
+        == r["offline"]["by_k"][2]["acceptance_length"]
+    )
+    kn = r["sweep"]["ngram_num_speculative_tokens"]
+    assert r["ngram"]["speculative_config"]["num_speculative_tokens"] == kn
+    assert sorted(p.name for p in (out / "logs").iterdir() if p.is_dir()) == [
+        "draft-k2",
+        "draft-k3",
+        "ngram-k2",
+        "ngram-k3",
+    ]
     total_drafts = total_acc = 0.0
     for w in r["windows"]:
         for side in ("baseline", "speculative"):
@@ -386,7 +414,7 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
     # shares the target's and keeps our lm_head; the auxiliary layer ids reached the target.
     spec_log = next(
         p.read_text()
-        for p in sorted((out / "logs").glob("*.log"))
+        for p in sorted((out / "logs" / f"draft-k{k}").glob("*.log"))
         if "--speculative-config" in p.read_text()
     )
     assert "without its own embed_tokens" in spec_log and "distinct lm_head" in spec_log, spec_log[
@@ -414,11 +442,11 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
         before, after = s["counters"]["before"], s["counters"]["after"]
         assert after["generation_tokens"] - before["generation_tokens"] == s["output_tokens"] > 0
         drafts, acc = after["drafts"] - before["drafts"], after["accepted"] - before["accepted"]
-        assert drafts <= after["draft_tokens"] - before["draft_tokens"] <= k * drafts
+        assert drafts <= after["draft_tokens"] - before["draft_tokens"] <= kn * drafts
         assert (
             sum(
                 after["accepted_per_pos"].get(str(i), 0) - before["accepted_per_pos"].get(str(i), 0)
-                for i in range(k)
+                for i in range(kn)
             )
             == acc
         )
@@ -448,6 +476,42 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path):
     assert r["gate"]["passed"] and r["promoted"]
     assert os.path.realpath(tmp_path / "promoted" / "smollm2-cpu" / "latest") == os.path.realpath(
         r["promoted"]
+    )
+
+    # The promoted draft carries what to serve; vLLM serves it with exactly that config.
+    from eagle3.serving.client import chat
+    from eagle3.serving.server import start_server
+    from tests.conftest import spec_counters
+
+    serving = json.loads((Path(r["promoted"]) / "serving.json").read_text())
+    rec = serving["recommended"]
+    assert rec["concurrency"] == 1 and rec["num_speculative_tokens"] == k
+    assert rec["speculative_config"] == {
+        "method": "eagle3",
+        "model": r["promoted"],
+        "num_speculative_tokens": k,
+    }
+    assert rec["vllm_args"] == ["--speculative-config", json.dumps(rec["speculative_config"])]
+    assert set(serving["by_concurrency"]) == {"1", "3"}
+    assert rec["ngram"]["num_speculative_tokens"] == kn
+    with start_server(
+        cfg,
+        str(smol_model),
+        speculative_config=rec["speculative_config"],
+        log_dir=tmp_path / "served-logs",
+    ) as server:
+        before = spec_counters(server.base_url)
+        answer = chat(server.base_url, server.model, "Name three colours.", max_tokens=16)
+        after = spec_counters(server.base_url)
+    assert answer.completion_token_ids
+    drafts = after["vllm:spec_decode_num_drafts_total"] - before.get(
+        "vllm:spec_decode_num_drafts_total", 0
+    )
+    assert (
+        drafts > 0
+        and after["vllm:spec_decode_num_draft_tokens_total"]
+        - before.get("vllm:spec_decode_num_draft_tokens_total", 0)
+        == k * drafts
     )
 
 

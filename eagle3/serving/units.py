@@ -34,13 +34,10 @@ def _wrap(argv: list[str], width: int = 100) -> str:
     return " \\\n    ".join(parts)
 
 
-def speculative_config(cfg: PipelineConfig, draft: str) -> dict:
-    """The ``--speculative-config`` the verify stage serves a draft with."""
-    return {
-        "method": "eagle3",
-        "model": draft,
-        "num_speculative_tokens": cfg.verify.num_speculative_tokens,
-    }
+def speculative_config(cfg: PipelineConfig, draft: str, k: int | None = None) -> dict:
+    """The ``--speculative-config`` the verify stage serves a draft with (k: one of a sweep's;
+    default ``verify.k``)."""
+    return {"method": "eagle3", "model": draft, "num_speculative_tokens": k or cfg.verify.k}
 
 
 def render_unit(

@@ -1,6 +1,7 @@
 """The verify stage's three arms, served one after the other with the same settings: the target
 alone (baseline), target + draft (speculative), and target + prompt lookup (the n-gram baseline,
 optional). Each is started through the serve stage, warmed up and measured at every concurrency.
+A k sweep (``measure_sweep``) serves the draft and the n-gram at several ks.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from typing import Any
 from eagle3.atomic import replace_symlink
 from eagle3.serving.gpus import release_gpus
 from eagle3.serving.server import Server, start_server
+from eagle3.serving.units import speculative_config
 from eagle3.verify.client import WorkloadRun, run_workload, warmup
 from eagle3.verify.metrics import Snapshot, snapshot
+from eagle3.verify.ngram import simulate_ngram
 from eagle3.verify.ngram_baseline import ngram_speculative_config
+from eagle3.verify.sweep import MethodSweep, acceptance_from_positions, run_sweep
 from eagle3.verify.workload import Conversation
 
 Window = tuple[WorkloadRun, Snapshot, Snapshot]
@@ -185,3 +189,106 @@ def measure_ngram(
     if ngram_reason:
         log(f"verify: n-gram baseline not measured: {ngram_reason}")
     return ngramw, ngram_info, ngram_reason
+
+
+def with_k(cfg: Any, k: int) -> Any:
+    """The profile with verify serving this one k."""
+    return cfg.model_copy(update={"verify": cfg.verify.with_k(k)})
+
+
+def tokens_per_s(windows: list[Window]) -> dict[int, float]:
+    return {run.concurrency: run.client_stats()["output_tokens_per_s"] for run, _, _ in windows}
+
+
+def per_position(windows: list[Window]) -> dict[int, float]:
+    """A server's acceptance per position over all its windows (vLLM's counters)."""
+    total = Snapshot()
+    for _, before, after in windows:
+        total = total + (after - before)
+    return dict(enumerate(total.summary()["acceptance_per_position"]))
+
+
+def chosen_ks(cfg: Any, sweeps: tuple[MethodSweep, MethodSweep | None] | None) -> tuple[int, int]:
+    """The k the report is made at, for the draft and for n-gram: each method's best measured k
+    at the lowest concurrency (the one k of a single-k verify)."""
+    if sweeps is None:
+        return cfg.verify.k, cfg.verify.k
+    c = min(cfg.verify.concurrency)
+    draft, ngram = sweeps
+    kd = draft.best_measured()[c]
+    kn = ngram.best_measured()[c] if ngram and ngram.measured else kd
+    return kd, kn
+
+
+def measure_sweep(
+    cfg: Any,
+    model: str,
+    draft_dir: Path,
+    convs: list[Conversation],
+    logs: Path,
+    log: Callable[[str], None],
+    on_progress: Progress | None,
+    estimate: Callable[[WorkloadRun], dict[str, Any] | None],
+) -> tuple[Arms, tuple[MethodSweep, MethodSweep | None], dict[str, Any] | None]:
+    """The k sweep: the baseline, acceptance at every k (``estimate``: the offline estimate on a
+    baseline window, every k; else the largest k's counters; the n-gram simulated on the same
+    outputs), then each method served at its ends and predicted best (eagle3.verify.sweep); the
+    arms at each method's chosen k, both sweeps, and the offline estimate."""
+    v = cfg.verify
+    if cfg.serve.backend != "process":
+        raise ValueError(
+            f"verify.num_speculative_tokens {v.ks}: a k sweep starts a server per k, which only "
+            f"serve.backend process does (this profile: {cfg.serve.backend}); set one k"
+        )
+    ks = v.ks
+    with start_server(cfg, model, log_dir=logs) as server:
+        log(f"verify: baseline ready in {server.ready_s:.1f} s")
+        base = measure(server, convs, cfg, "baseline", on_progress)
+        base_info = server.info()
+    base_tps = tokens_per_s(base)
+    brun = base[0][0]
+    seqs = [(r.prompt_token_ids, r.token_ids) for r in brun.results]
+    al_draft: Any = acceptance_from_positions(ks)
+    offline = estimate(brun)
+    if offline is not None:
+        al_draft = {k: offline["by_k"][k]["acceptance_length"] or 1.0 for k in ks}
+    servers: dict[tuple[str, int], tuple[list[Window], dict[str, Any]]] = {}
+
+    def serve(method: str, k: int) -> tuple[dict[int, float], dict[int, float]]:
+        ck = with_k(cfg, k)
+        if method == "draft":
+            spec = speculative_config(cfg, str(draft_dir), k)
+            srv = speculative_server(ck, model, spec, logs / f"draft-k{k}")
+        else:
+            srv = ngram_server(ck, model, ngram_speculative_config(ck), logs / f"ngram-k{k}")
+        assert not isinstance(srv, str)  # the process backend always starts one
+        with srv:
+            log(f"verify: {method} k={k} ready in {srv.ready_s:.1f} s")
+            windows = measure(srv, convs, ck, f"{method} k={k}", on_progress)
+            servers[(method, k)] = (windows, srv.info())
+        return tokens_per_s(windows), per_position(windows)
+
+    common = {"servers": v.sweep_servers, "measure_all": v.sweep_measure_all, "log": log}
+    draft = run_sweep("draft", ks, al_draft, base_tps, lambda k: serve("draft", k), **common)
+    ngram, reason = None, None
+    if not v.ngram_baseline:
+        reason = "verify.ngram_baseline is off"
+    else:
+        lo, hi = v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max
+        al_ngram = {k: simulate_ngram(seqs, k, lo, hi)["acceptance_length"] or 1.0 for k in ks}
+        try:
+            ngram = run_sweep(
+                "n-gram", ks, al_ngram, base_tps, lambda k: serve("ngram", k), **common
+            )
+        # a baseline that failed is reported; the draft's numbers stand
+        except Exception as e:  # noqa: BLE001
+            reason = f"the n-gram server failed: {type(e).__name__}: {e}"[:2000]
+            log(f"verify: n-gram baseline not measured: {reason}")
+    kd, kn = chosen_ks(cfg, (draft, ngram))
+    for sw in (draft, ngram):
+        if sw is not None:
+            log(f"verify: {sw.summary_line()}")
+    spec_w, spec_info = servers[("draft", kd)]
+    ngram_w, ngram_info = servers.get(("ngram", kn), (None, None))
+    arms = Arms(base, base_info, spec_w, spec_info, ngram_w, ngram_info, reason)
+    return arms, (draft, ngram), offline

@@ -14,9 +14,7 @@ from eagle3.verify.ngram import simulate_ngram, vllm_ngram_config
 def ngram_speculative_config(cfg: Any) -> dict[str, Any]:
     """The ``--speculative-config`` of the n-gram baseline server (same k as the draft)."""
     v = cfg.verify
-    return vllm_ngram_config(
-        v.num_speculative_tokens, v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max
-    )
+    return vllm_ngram_config(v.k, v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max)
 
 
 def _sim_vs_counters(sim: dict[str, Any], delta: Snapshot) -> dict[str, Any]:
@@ -57,7 +55,7 @@ def ngram_section(
     spec = ngram_speculative_config(cfg)
     if ngramw is None:
         return {"measured": False, "reason": reason, "speculative_config": spec}
-    k, lo, hi = v.num_speculative_tokens, v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max
+    k, lo, hi = v.k, v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max
     greedy = v.temperature == 0
     total = Snapshot()
     out_windows = []

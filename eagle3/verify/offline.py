@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from eagle3.verify.ngram import leading_matches
+from eagle3.verify.ngram import leading_matches, simulate_ngram
 
 
 def _slice_kv(kv: tuple[torch.Tensor, ...], n: int) -> tuple[torch.Tensor, ...]:
@@ -165,17 +165,21 @@ def offline_acceptance(
     max_sequences: int | None = None,
     device: str = "cpu",
     ngram_lookup: tuple[int, int] | None = (1, 4),
+    ks: Sequence[int] = (),
+    groups: Sequence[str | None] | None = None,
 ) -> dict[str, Any]:
     """Estimate acceptance of the exported draft in ``draft_dir`` for the target in ``target_dir``
     on ``sequences`` = [(prompt_token_ids, greedy_output_token_ids)].
 
     ``ngram_lookup`` = (prompt_lookup_min, prompt_lookup_max): the result's ``ngram`` is the n-gram
     baseline simulated on the same sequences (:func:`eagle3.verify.ngram.simulate_ngram`); None:
-    skip."""
+    skip. ``ks``: also ``by_k`` = {k: the same for every k in ``ks``}, from ONE pass at the
+    largest k (a chain's leading matches at a smaller k are its matches at the largest, capped).
+    ``groups`` (one label per sequence, e.g. the MT-bench category): also ``by_group`` (in
+    each ``by_k`` entry too)."""
     from transformers import AutoModelForCausalLM
 
     from eagle3.target_checkpoint import checkpoint_dir
-    from eagle3.verify.ngram import simulate_ngram
 
     target_dir = checkpoint_dir(target_dir)
     draft, draft_to_target = load_draft_for_eval(draft_dir, target_dir, device)
@@ -183,10 +187,11 @@ def offline_acceptance(
     target = (
         AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     )
-    accepted: list[int] = []
-    used = 0
+    kmax = max([k, *ks])
+    walks: list[tuple[list[int], int, int, str | None]] = []  # (acc at kmax, start, length, group)
     scored: list[tuple[list[int], list[int]]] = []
-    for prompt, output in sequences[: max_sequences or len(sequences)]:
+    labels = list(groups) if groups is not None else [None] * len(sequences)
+    for (prompt, output), group in list(zip(sequences, labels))[: max_sequences or len(sequences)]:
         if not prompt or len(output) < 2:
             continue
         scored.append((list(prompt), list(output)))
@@ -198,10 +203,32 @@ def offline_acceptance(
             aux[None],
             ids[None],
             torch.tensor([ids.numel()], device=device),
-            k,
+            kmax,
             draft_to_target,
         )
-        accepted += walk_chains(acc[0].tolist(), len(prompt) - 1, ids.numel())
-        used += 1
-    ngram = simulate_ngram(scored, k, *ngram_lookup) if ngram_lookup is not None else None
-    return {**summarize_chains(accepted, k), "sequences": used, "k": k, "ngram": ngram}
+        walks.append((acc[0].tolist(), len(prompt) - 1, ids.numel(), group))
+
+    def at(kk: int, which: Sequence[int]) -> dict[str, Any]:
+        chains = [
+            a
+            for i in which
+            for a in walk_chains([min(x, kk) for x in walks[i][0]], walks[i][1], walks[i][2])
+        ]
+        seqs = [scored[i] for i in which]
+        ngram = simulate_ngram(seqs, kk, *ngram_lookup) if ngram_lookup is not None else None
+        return {**summarize_chains(chains, kk), "sequences": len(which), "k": kk, "ngram": ngram}
+
+    names = sorted({str(w[3]) for w in walks}) if groups is not None else []
+    members = {g: [i for i, w in enumerate(walks) if str(w[3]) == g] for g in names}
+
+    def with_groups(kk: int) -> dict[str, Any]:
+        r = at(kk, range(len(walks)))
+        if groups is not None:
+            r["by_group"] = {g: at(kk, members[g]) for g in names}
+        return r
+
+    at_k = with_groups(k)
+    out = dict(at_k)
+    if ks:
+        out["by_k"] = {kk: at_k if kk == k else with_groups(kk) for kk in ks}
+    return out

@@ -1,22 +1,22 @@
-"""The verify report as markdown and PNG (acceptance per position, throughput and speedup; the
-n-gram baseline next to the draft when it was measured)."""
+"""The verify report as markdown (acceptance per position, throughput and speedup, the k sweep,
+per category; the n-gram baseline next to the draft when it was measured). The PNG: plot.py."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from eagle3.atomic import atomic_path
 
-
-def _f(x: Any, nd: int = 3) -> str:
+def fmt(x: Any, nd: int = 3) -> str:
     return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
 def render_markdown(r: dict[str, Any]) -> str:
     lines = _summary_lines(r)
+    lines += _serving_lines(r)
+    lines += _sweep_lines(r)
     lines += _acceptance_table(r)
+    lines += _category_lines(r)
     lines += _throughput_table(r)
     lines += _baseline_drift_lines(r)
     lines += _ngram_markdown(r)
@@ -36,13 +36,113 @@ def _summary_lines(r: dict[str, Any]) -> list[str]:
         f"temperature {r['temperature']})",
         f"- workload: {wl['name']}, {wl['conversations']} conversations x "
         f"{wl['turns']} turns, max_tokens {r['max_tokens']} (fingerprint {wl['fingerprint']})",
-        f"- **mean acceptance length {_f(acc['acceptance_length'])}**, "
-        f"acceptance rate {_f(acc['acceptance_rate'])}",
+        f"- **mean acceptance length {fmt(acc['acceptance_length'])}**, "
+        f"acceptance rate {fmt(acc['acceptance_rate'])}",
         _ngram_line(r),
         f"- gate: **{'passed' if gate['passed'] else 'FAILED'}**"
         + ("" if gate["passed"] else ": " + "; ".join(gate["reasons"])),
         f"- promoted: `{r['promoted']}`" if r.get("promoted") else "- promoted: no",
     ]
+
+
+def _serving_lines(r: dict[str, Any]) -> list[str]:
+    """Which k to serve, per concurrency: the draft at its best measured k vs n-gram at its."""
+    serving = r.get("serving") or {}
+    if not serving:
+        return []
+    lines = ["", "## What to serve", ""]
+    for c, e in serving.items():
+        ng = e.get("ngram")
+        lines.append(
+            f"- concurrency {c}: **k = {e['num_speculative_tokens']}**, "
+            f"{fmt(e['tokens_per_s'], 1)} tok/s (x{fmt(e['speedup'], 2)} over the target alone)"
+            + (
+                f"; n-gram at its best k = {ng['num_speculative_tokens']}: "
+                f"{fmt(ng['tokens_per_s'], 1)} tok/s (x{fmt(ng['speedup'], 2)}); draft / n-gram "
+                f"x{fmt(e.get('draft_over_ngram'), 2)}"
+                if ng
+                else ""
+            )
+            + f"; `--speculative-config '{json.dumps(e['speculative_config'])}'`"
+        )
+    for name in ("draft", "ngram"):
+        m = (r.get("sweep") or {}).get(name) or {}
+        for c, k in (m.get("best_predicted") or {}).items():
+            if k not in m["served"]:
+                lines.append(
+                    f"- {name} at concurrency {c}: k = {k} was predicted best "
+                    f"({fmt(m['predicted_tokens_per_s'][c][str(k)], 1)} tok/s) but not served: "
+                    "raise verify.sweep_servers to measure it"
+                )
+    if r.get("promoted"):
+        lines.append(f"- the promoted draft carries this as `{r['promoted']}/serving.json`")
+    return lines
+
+
+def _sweep_lines(r: dict[str, Any]) -> list[str]:
+    """The k sweep: acceptance length and tokens/s for every k, predicted and measured."""
+    sw = r.get("sweep") or {}
+    if len(sw.get("ks") or []) < 2:
+        return []
+    lines = [
+        "",
+        "## Tokens/s for every k (predicted from the offline acceptance and the served ks' step "
+        "time; measured where served)",
+    ]
+    for name in ("draft", "ngram"):
+        m = sw.get(name)
+        if not m:
+            continue
+        cs = list(m["predicted_tokens_per_s"])
+        lines += [
+            "",
+            f"**{'draft (EAGLE-3)' if name == 'draft' else 'n-gram (prompt lookup)'}**, served at "
+            f"k = {m['served']}; best measured {m['best_measured']}, best predicted "
+            f"{m['best_predicted']}",
+            "",
+            "| k | acceptance length | "
+            + " | ".join(f"c={c} predicted | c={c} measured" for c in cs)
+            + " |",
+            "|---|---|" + "---|---|" * len(cs),
+        ]
+        for k in m["ks"]:
+            row = f"| {k} | {fmt(m['acceptance_length'].get(str(k)))} |"
+            for c in cs:
+                meas = (m["measured_tokens_per_s"].get(str(k)) or {}).get(c)
+                row += f" {fmt(m['predicted_tokens_per_s'][c].get(str(k)), 1)} | {fmt(meas, 1)} |"
+            lines.append(row)
+        for ch in m.get("checks") or []:
+            lines.append(
+                f"- k={ch['k']} at c={ch['concurrency']}: predicted {fmt(ch['predicted'], 1)} from "
+                f"k={ch['from_ks']}, measured {fmt(ch['measured'], 1)} tok/s "
+                f"(error {fmt(_pct(ch['error']), 1)} %)"
+            )
+    return lines
+
+
+def _category_lines(r: dict[str, Any]) -> list[str]:
+    """Where the draft is weak: the offline estimate per workload category, n-gram beside it."""
+    groups = (r.get("offline") or {}).get("by_group") or {}
+    if not groups:
+        return []
+    lines = [
+        "",
+        f"## Acceptance per category (offline estimate, k = {r['num_speculative_tokens']}; "
+        "n-gram simulated on the same sequences, over all steps)",
+        "",
+        "| category | sequences | chains | draft | draft per position | n-gram "
+        "| n-gram per position |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for g, o in groups.items():
+        ng = o.get("ngram") or {}
+        lines.append(
+            f"| {g} | {o['sequences']} | {o['chains']} | {fmt(o['acceptance_length'])} | "
+            f"{' / '.join(fmt(x, 2) for x in o['acceptance_per_position'])} | "
+            f"{fmt(ng.get('acceptance_length'))} | "
+            f"{' / '.join(fmt(x, 2) for x in ng.get('acceptance_per_position') or [])} |"
+        )
+    return lines
 
 
 def _acceptance_table(r: dict[str, Any]) -> list[str]:
@@ -56,8 +156,8 @@ def _acceptance_table(r: dict[str, Any]) -> list[str]:
     off = (r.get("offline") or {}).get("acceptance_per_position") or []
     for i, v in enumerate(r["acceptance"]["acceptance_per_position"]):
         lines.append(
-            f"| {i} | {_f(v)} |"
-            + (f" {_f(off[i]) if i < len(off) else '-'} |" if r.get("offline") else "")
+            f"| {i} | {fmt(v)} |"
+            + (f" {fmt(off[i]) if i < len(off) else '-'} |" if r.get("offline") else "")
         )
     return lines
 
@@ -79,10 +179,10 @@ def _throughput_table(r: dict[str, Any]) -> list[str]:
         b, s = w["baseline"], w["speculative"]
         mm = w.get("outputs") or {}
         lines.append(
-            f"| {w['concurrency']} | {_f(b['output_tokens_per_s'], 1)} | "
-            f"{_f(s['output_tokens_per_s'], 1)} | {_f(w['speedup'])} | "
-            f"{_f(_ms(b['server_mean_tpot_s']), 2)} | {_f(_ms(s['server_mean_tpot_s']), 2)} | "
-            f"{_f(w['tpot_ratio'])} | {_f(s['acceptance_length'])} | "
+            f"| {w['concurrency']} | {fmt(b['output_tokens_per_s'], 1)} | "
+            f"{fmt(s['output_tokens_per_s'], 1)} | {fmt(w['speedup'])} | "
+            f"{fmt(_ms(b['server_mean_tpot_s']), 2)} | {fmt(_ms(s['server_mean_tpot_s']), 2)} | "
+            f"{fmt(w['tpot_ratio'])} | {fmt(s['acceptance_length'])} | "
             f"{mm.get('mismatches', '-')} / {mm.get('compared', '-')} |"
         )
     return lines
@@ -117,16 +217,16 @@ def _offline_lines(r: dict[str, Any]) -> list[str]:
         "",
         "## Offline estimate (PyTorch, target + draft, greedy chains)",
         "",
-        f"- acceptance length {_f(o['acceptance_length'])} over {o['chains']} chains of "
-        f"{o['sequences']} sequences; vLLM {_f(r['acceptance']['acceptance_length'])}; "
-        f"difference {_f(o.get('difference_from_vllm'))}",
+        f"- acceptance length {fmt(o['acceptance_length'])} over {o['chains']} chains of "
+        f"{o['sequences']} sequences; vLLM {fmt(r['acceptance']['acceptance_length'])}; "
+        f"difference {fmt(o.get('difference_from_vllm'))}",
     ]
     on = o.get("ngram")
     if on:
         lines.append(
             f"- n-gram baseline simulated on the same sequences: acceptance length "
-            f"{_f(on['acceptance_length'])} over all steps, "
-            f"{_f(on['acceptance_length_proposing'])} over "
+            f"{fmt(on['acceptance_length'])} over all steps, "
+            f"{fmt(on['acceptance_length_proposing'])} over "
             f"the {on['proposing_chains']} of {on['chains']} steps where it proposed"
         )
     return lines
@@ -136,9 +236,9 @@ def _servers_lines(r: dict[str, Any]) -> list[str]:
     ng = (r["servers"].get("ngram") or {}).get("ready_s")
     return [
         "",
-        f"Servers: baseline ready in {_f(r['servers']['baseline']['ready_s'], 1)} s, "
-        f"speculative in {_f(r['servers']['speculative']['ready_s'], 1)} s"
-        + (f", n-gram in {_f(ng, 1)} s." if ng is not None else "."),
+        f"Servers: baseline ready in {fmt(r['servers']['baseline']['ready_s'], 1)} s, "
+        f"speculative in {fmt(r['servers']['speculative']['ready_s'], 1)} s"
+        + (f", n-gram in {fmt(ng, 1)} s." if ng is not None else "."),
         "",
     ]
 
@@ -156,11 +256,11 @@ def _ngram_line(r: dict[str, Any]) -> str:
     sc = ng["speculative_config"]
     return (
         f"- n-gram baseline (prompt lookup, n {sc['prompt_lookup_min']}.."
-        f"{sc['prompt_lookup_max']}): acceptance length {_f(ng['acceptance_length'])} "
-        f"in vLLM (steps where it proposed), {_f(ng['acceptance_length_all_steps'])} over all "
+        f"{sc['prompt_lookup_max']}): acceptance length {fmt(ng['acceptance_length'])} "
+        f"in vLLM (steps where it proposed), {fmt(ng['acceptance_length_all_steps'])} over all "
         f"steps; speedup at concurrency {c}: "
-        f"draft x{_f((vs.get('draft') or {}).get('speedup'))}, "
-        f"n-gram x{_f((vs.get('ngram') or {}).get('speedup'))}; **draft beats n-gram: "
+        f"draft x{fmt((vs.get('draft') or {}).get('speedup'))}, "
+        f"n-gram x{fmt((vs.get('ngram') or {}).get('speedup'))}; **draft beats n-gram: "
         f"{'yes' if beats else 'no' if beats is not None else '-'}**"
     )
 
@@ -179,20 +279,20 @@ def _ngram_markdown(r: dict[str, Any]) -> list[str]:
         f"`--speculative-config '{json.dumps(ng['speculative_config'])}'`. "
         "vLLM counts only the steps where n-gram proposed something (no match, no draft); "
         "an EAGLE draft proposes at every step. N-gram proposed at "
-        f"{_f(_pct(ng.get('proposing_fraction')), 1)} % of the steps "
+        f"{fmt(_pct(ng.get('proposing_fraction')), 1)} % of the steps "
         "(simulated over its own outputs); over all steps is the draft's definition.",
         "",
         "| | draft (EAGLE-3) | n-gram (vLLM, proposing steps) | n-gram (all steps, simulated) |",
         "|---|---|---|---|",
-        f"| acceptance length | {_f(acc['acceptance_length'])} | {_f(ng['acceptance_length'])} | "
-        f"{_f(ng['acceptance_length_all_steps'])} |",
+        f"| acceptance length | {fmt(acc['acceptance_length'])} | {fmt(ng['acceptance_length'])} | "
+        f"{fmt(ng['acceptance_length_all_steps'])} |",
     ]
     dpp, npp = acc["acceptance_per_position"], ng.get("acceptance_per_position") or []
     sap = ng.get("acceptance_per_position_all_steps") or []
     for i in range(k):
         lines.append(
-            f"| acceptance at position {i} | {_f(dpp[i]) if i < len(dpp) else '-'} | "
-            f"{_f(npp[i]) if i < len(npp) else '-'} | {_f(sap[i]) if i < len(sap) else '-'} |"
+            f"| acceptance at position {i} | {fmt(dpp[i]) if i < len(dpp) else '-'} | "
+            f"{fmt(npp[i]) if i < len(npp) else '-'} | {fmt(sap[i]) if i < len(sap) else '-'} |"
         )
     lines += [
         "",
@@ -203,10 +303,10 @@ def _ngram_markdown(r: dict[str, Any]) -> list[str]:
     for w, nw in zip(r["windows"], ng["windows"]):
         mm = nw.get("outputs") or {}
         lines.append(
-            f"| {w['concurrency']} | {_f(w['baseline']['output_tokens_per_s'], 1)} | "
-            f"{_f(w['speculative']['output_tokens_per_s'], 1)} | {_f(w['speedup'])} | "
-            f"{_f(nw['ngram']['output_tokens_per_s'], 1)} | {_f(nw['speedup'])} | "
-            f"{_f(nw['ngram']['acceptance_length'])} | "
+            f"| {w['concurrency']} | {fmt(w['baseline']['output_tokens_per_s'], 1)} | "
+            f"{fmt(w['speculative']['output_tokens_per_s'], 1)} | {fmt(w['speedup'])} | "
+            f"{fmt(nw['ngram']['output_tokens_per_s'], 1)} | {fmt(nw['speedup'])} | "
+            f"{fmt(nw['ngram']['acceptance_length'])} | "
             f"{mm.get('mismatches', '-')} / {mm.get('compared', '-')} |"
         )
     sv = (ng.get("simulated") or {}).get("vs_vllm") or {}
@@ -216,85 +316,14 @@ def _ngram_markdown(r: dict[str, Any]) -> list[str]:
             "Simulated over the n-gram server's own outputs (`eagle3/verify/ngram.py`) "
             "vs its counters: "
             + ", ".join(
-                f"{name} {_f(sv[name]['simulated'], 0)} vs {_f(sv[name]['vllm'], 0)}"
+                f"{name} {fmt(sv[name]['simulated'], 0)} vs {fmt(sv[name]['vllm'], 0)}"
                 for name in ("drafts", "draft_tokens", "accepted")
             )
-            + f"; acceptance length {_f(sv['acceptance_length_proposing']['simulated'])} vs "
-            f"{_f(sv['acceptance_length_proposing']['vllm'])}.",
+            + f"; acceptance length {fmt(sv['acceptance_length_proposing']['simulated'])} vs "
+            f"{fmt(sv['acceptance_length_proposing']['vllm'])}.",
         ]
     return lines
 
 
 def _pct(x: float | None) -> float | None:
     return None if x is None else 100 * x
-
-
-def plot(r: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    acc = r["acceptance"]["acceptance_per_position"]
-    xs = list(range(len(acc)))
-    off = (r.get("offline") or {}).get("acceptance_per_position") or []
-    ng = r.get("ngram") if (r.get("ngram") or {}).get("measured") else None
-    series = [("draft (vLLM)", acc)]
-    if off:
-        series.append(("draft (offline estimate)", off))
-    if ng:
-        series.append(("n-gram (vLLM, proposing steps)", ng.get("acceptance_per_position") or []))
-        series.append(
-            ("n-gram (all steps, simulated)", ng.get("acceptance_per_position_all_steps") or [])
-        )
-    w = 0.8 / len(series)
-    for j, (label, vals) in enumerate(series):
-        n = min(len(vals), len(xs))
-        a1.bar([x - 0.4 + w * (j + 0.5) for x in xs[:n]], vals[:n], width=w, label=label)
-    a1.set_xticks(xs)
-    a1.set_xlabel("draft position")
-    a1.set_ylabel("accepted / drafts")
-    a1.set_ylim(0, 1)
-    title = f"acceptance per position (mean length {_f(r['acceptance']['acceptance_length'])}"
-    if ng:
-        title += f"; n-gram {_f(ng['acceptance_length'])} / {_f(ng['acceptance_length_all_steps'])}"
-    a1.set_title(title + ")", fontsize=9)
-    a1.legend(fontsize=8)
-    conc = [str(win["concurrency"]) for win in r["windows"]]
-    bars = [
-        ("baseline", [win["baseline"]["output_tokens_per_s"] or 0 for win in r["windows"]], None),
-        (
-            "draft",
-            [win["speculative"]["output_tokens_per_s"] or 0 for win in r["windows"]],
-            [win["speedup"] for win in r["windows"]],
-        ),
-    ]
-    if ng:
-        bars.append(
-            (
-                "n-gram",
-                [nw["ngram"]["output_tokens_per_s"] or 0 for nw in ng["windows"]],
-                [nw["speedup"] for nw in ng["windows"]],
-            )
-        )
-    xs2 = list(range(len(conc)))
-    w2 = 0.8 / len(bars)
-    for j, (label, vals, speedups) in enumerate(bars):
-        pos = [x - 0.4 + w2 * (j + 0.5) for x in xs2]
-        a2.bar(pos, vals, width=w2, label=label)
-        for x, v, sp in zip(pos, vals, speedups or []):
-            a2.annotate(f"x{_f(sp, 2)}", (x, v), ha="center", va="bottom", fontsize=8)
-    a2.set_xticks(xs2, conc)
-    a2.set_xlabel("concurrency")
-    a2.set_ylabel("output tokens/s")
-    a2.set_title("throughput and speedup over the baseline")
-    top = max((v for _, vals, _ in bars for v in vals), default=0)
-    if top > 0:
-        a2.set_ylim(0, top * 1.25)  # room for the speedup labels and the legend
-    a2.legend(fontsize=8, ncol=len(bars), loc="upper center")
-    fig.tight_layout()
-    with atomic_path(path, suffix=".tmp.png") as tmp:
-        fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    return path

@@ -11,7 +11,12 @@ than the last promoted one.
    ``eagle3.verify.ngram_baseline``).
 3. Greedy outputs compared token for token; the offline PyTorch estimate on the baseline's
    outputs.
-4. report.json / report.md / report.png, the gate, and promotion of a passing draft.
+4. report.json / report.md / report.png, the gate, and promotion of a passing draft with its
+   serving config (``serving.json``: the speculative config of its best k per concurrency).
+
+With ``verify.num_speculative_tokens`` a list, steps 1-2 are a k sweep (``eagle3.verify.sweep``):
+the baseline, the offline estimate at every k, then the draft and the n-gram at the largest k and
+at the predicted best; the rest of the report is made at each method's best measured k.
 """
 
 from __future__ import annotations
@@ -19,18 +24,32 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from eagle3.atomic import write_json_atomic, write_text_atomic
 from eagle3.serving.units import speculative_config
-from eagle3.verify.arms import Arms, measure_arms, point_candidate
+from eagle3.verify.arms import (
+    Arms,
+    chosen_ks,
+    measure_arms,
+    measure_sweep,
+    point_candidate,
+    tokens_per_s,
+    with_k,
+)
 from eagle3.verify.client import WorkloadRun
 from eagle3.verify.compare import add_baseline_drift, compare_windows, outputs_summary
 from eagle3.verify.gate import GateFailed, GateResult, evaluate_gate, last_promoted, promote
 from eagle3.verify.ngram_baseline import ngram_section, versus_ngram
 from eagle3.verify.offline import offline_acceptance
-from eagle3.verify.report import plot, render_markdown
+from eagle3.verify.plot import plot
+from eagle3.verify.report import render_markdown
+from eagle3.verify.sweep import (
+    MethodSweep,
+    serving_recommendation,
+)
 from eagle3.verify.workload import load_workload, workload_fingerprint
 
 # point_candidate, ngram_section and versus_ngram moved out; still importable from here
@@ -61,18 +80,25 @@ def verify(
             f"{draft_dir}: no exported draft (config.json missing): run the train stage"
         )
     started = time.time()
-    convs = load_workload(v.workload, v.num_prompts, v.turns)
+    convs = load_workload(v.workload, v.num_prompts, v.turns, v.mix_categories)
     fp = workload_fingerprint(convs)
-    spec = speculative_config(cfg, str(draft_dir))
     log(
         f"verify: {len(convs)} conversations x {v.turns} turns, concurrency {v.concurrency}, "
         f"k={v.num_speculative_tokens}" + (", then the n-gram baseline" if v.ngram_baseline else "")
     )
-    arms = measure_arms(cfg, model, spec, convs, out_dir / "logs", log, on_progress)
-    results = _compare(cfg, model, draft_dir, out_dir, arms, log)
+    cats = {c.id: c.category or "-" for c in convs}
+    arms, sweeps, offline = _measure(cfg, model, draft_dir, convs, out_dir, cats, log, on_progress)
+    k_draft, k_ngram = chosen_ks(cfg, sweeps)
+    cfg_d, cfg_n = with_k(cfg, k_draft), with_k(cfg, k_ngram)
+    results = _compare(cfg_d, cfg_n, model, draft_dir, out_dir, arms, log, cats, offline)
+    sweeps = sweeps or _single(cfg, arms, results)  # one k: the "sweep" is what was measured
+    base_tps = tokens_per_s(arms.base)
+    serving = serving_recommendation(
+        *sweeps, base_tps, partial(speculative_config, cfg, str(draft_dir))
+    )
     conditions = {
         "workload_fingerprint": fp,
-        "num_speculative_tokens": v.num_speculative_tokens,
+        "num_speculative_tokens": k_draft,
         "temperature": v.temperature,
         "max_tokens": v.max_tokens,
     }
@@ -82,7 +108,7 @@ def verify(
         "profile": cfg.name,
         "target": model,
         "draft_dir": str(draft_dir),
-        "num_speculative_tokens": v.num_speculative_tokens,
+        "num_speculative_tokens": k_draft,
         "temperature": v.temperature,
         "max_tokens": v.max_tokens,
         "workload": {
@@ -92,6 +118,8 @@ def verify(
             "fingerprint": fp,
         },
         **results,
+        "sweep": _sweep_section(v.ks, sweeps, base_tps, k_ngram),
+        "serving": serving,
         "gate": gate.to_dict(),
         "promoted": None,
         "servers": {
@@ -102,7 +130,7 @@ def verify(
         "wall_s": None,
     }
     if gate.passed and v.promote:
-        report["promoted"] = _promote(cfg, draft_dir, out_dir, conditions, results, fp)
+        report["promoted"] = _promote(cfg, draft_dir, out_dir, conditions, results, fp, serving)
     report["wall_s"] = round(time.time() - started, 2)
     _write_report(out_dir, report)
     if not gate.passed:
@@ -114,17 +142,76 @@ def verify(
     return report
 
 
+def _sweep_section(
+    ks: list[int],
+    sweeps: tuple[MethodSweep, MethodSweep | None],
+    base_tps: dict[int, float],
+    k_ngram: int,
+) -> dict[str, Any]:
+    return {
+        "ks": ks,
+        "draft": sweeps[0].to_dict(),
+        "ngram": sweeps[1].to_dict() if sweeps[1] else None,
+        "baseline_tokens_per_s": {str(c): t for c, t in base_tps.items()},
+        "ngram_num_speculative_tokens": k_ngram,
+    }
+
+
+def _measure(
+    cfg: Any,
+    model: str,
+    draft_dir: Path,
+    convs: list,
+    out_dir: Path,
+    categories: dict[str, str],
+    log: Callable[[str], None],
+    on_progress: Callable[[str, int, int, int], None] | None,
+) -> tuple[Arms, tuple[MethodSweep, MethodSweep | None] | None, dict[str, Any] | None]:
+    """The servers: one k (three arms), or a k sweep with the offline estimate at every k."""
+    v = cfg.verify
+    if len(v.ks) == 1:
+        spec = speculative_config(cfg, str(draft_dir))
+        return measure_arms(cfg, model, spec, convs, out_dir / "logs", log, on_progress), None, None
+
+    def estimate(brun: WorkloadRun) -> dict[str, Any] | None:
+        if not (v.offline_estimate and v.temperature == 0 and Path(model).is_dir()):
+            return None
+        return _offline(cfg, model, draft_dir, brun, v.k, v.ks, categories, log)
+
+    return measure_sweep(cfg, model, draft_dir, convs, out_dir / "logs", log, on_progress, estimate)
+
+
+def _single(
+    cfg: Any, arms: Arms, results: dict[str, Any]
+) -> tuple[MethodSweep, MethodSweep | None]:
+    """A single-k verify as a one-point sweep (the serving recommendation has one k)."""
+    k = cfg.verify.k
+    draft = MethodSweep("draft", [k], {k: results["acceptance_length"] or 1.0})
+    draft.measured, draft.served = {k: tokens_per_s(arms.spec)}, [k]
+    ngram = None
+    if arms.ngram:
+        ngram = MethodSweep("ngram", [k], {})
+        ngram.measured, ngram.served = {k: tokens_per_s(arms.ngram)}, [k]
+    return draft, ngram
+
+
 def _compare(
     cfg: Any,
+    cfg_ngram: Any,
     model: str,
     draft_dir: Path,
     out_dir: Path,
     arms: Arms,
     log: Callable[[str], None],
+    categories: dict[str, str],
+    offline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The measured part of the report, in its order: acceptance (the speculative server's
     counters over every window), speedups, windows, greedy outputs, the offline estimate, the
-    n-gram baseline and the draft against it. Also writes every window's outputs."""
+    n-gram baseline and the draft against it. Also writes every window's outputs.
+
+    ``cfg`` carries the draft's k, ``cfg_ngram`` the n-gram's (they differ after a sweep);
+    ``offline``: the sweep's offline estimate (every k), reported at the draft's k."""
     v = cfg.verify
     greedy = v.temperature == 0
     windows, total = compare_windows(arms.base, arms.spec, greedy)
@@ -133,10 +220,16 @@ def _compare(
     _save_all_outputs(out_dir / "outputs", arms)
     acceptance = total.summary()
     outputs = outputs_summary(windows, greedy)
-    offline = None
-    if v.offline_estimate and greedy and Path(model).is_dir():
-        offline = _offline_estimate(cfg, model, draft_dir, arms.base, windows, acceptance, log)
-    ngram = ngram_section(cfg, windows, arms.base, arms.ngram, arms.ngram_info, arms.ngram_reason)
+    brun = arms.base[0][0]
+    if offline is not None:
+        offline = {**offline, **offline["by_k"][v.k]}
+    elif v.offline_estimate and greedy and Path(model).is_dir():
+        offline = _offline(cfg, model, draft_dir, brun, v.k, (), categories, log)
+    if offline is not None:
+        _offline_vs_vllm(offline, brun.concurrency, windows, log)
+    ngram = ngram_section(
+        cfg_ngram, windows, arms.base, arms.ngram, arms.ngram_info, arms.ngram_reason
+    )
     versus = versus_ngram(acceptance["acceptance_length"], windows, ngram)
     if ngram["measured"]:
         log(
@@ -167,34 +260,56 @@ def _save_all_outputs(out: Path, arms: Arms) -> None:
             save_outputs(out / f"{label}-c{run.concurrency}.jsonl", run)
 
 
-def _offline_estimate(
+def _offline(
     cfg: Any,
     model: str,
     draft_dir: Path,
-    base: list,
-    windows: list[dict[str, Any]],
-    acceptance: dict[str, Any],
+    brun: WorkloadRun,
+    k: int,
+    ks: Any,
+    categories: dict[str, str],
     log: Callable[[str], None],
 ) -> dict[str, Any]:
-    """The offline PyTorch estimate on the first baseline window's outputs, next to vLLM's
-    acceptance length on the same prompts."""
+    """The offline PyTorch estimate on a baseline window's outputs (every k of ``ks`` from one
+    pass; per workload category)."""
     v = cfg.verify
-    brun = base[0][0]
-    seqs = [(r.prompt_token_ids, r.token_ids) for r in brun.results]
     t0 = time.time()
     offline = offline_acceptance(
         model,
         draft_dir,
-        seqs,
-        v.num_speculative_tokens,
+        [(r.prompt_token_ids, r.token_ids) for r in brun.results],
+        k,
         max_sequences=v.offline_max_sequences,
         ngram_lookup=(v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max),
+        ks=ks,
+        groups=[categories.get(r.conversation, "-") for r in brun.results],
     )
     offline["wall_s"] = round(time.time() - t0, 2)
     offline["on_concurrency"] = brun.concurrency
-    al = acceptance["acceptance_length"]
-    # compare with vLLM on the same prompts: the window of the same concurrency
-    same = next(w for w in windows if w["concurrency"] == brun.concurrency)["speculative"][
+    log(
+        f"verify: offline estimate {offline['acceptance_length']} at k={k}"
+        + (
+            " (every k: "
+            + ", ".join(f"{kk}: {o['acceptance_length']:.3f}" for kk, o in offline["by_k"].items())
+            + ")"
+            if ks
+            else ""
+        )
+        + "; n-gram simulated on the same sequences "
+        + str((offline.get("ngram") or {}).get("acceptance_length"))
+    )
+    return offline
+
+
+def _offline_vs_vllm(
+    offline: dict[str, Any],
+    concurrency: int,
+    windows: list[dict[str, Any]],
+    log: Callable[[str], None],
+) -> None:
+    """vLLM's acceptance length on the same prompts (the window of the estimate's concurrency)
+    next to the estimate."""
+    same = next(w for w in windows if w["concurrency"] == concurrency)["speculative"][
         "acceptance_length"
     ]
     offline["vllm_acceptance_length_same_prompts"] = same
@@ -203,12 +318,7 @@ def _offline_estimate(
         if offline["acceptance_length"] is not None and same is not None
         else None
     )
-    log(
-        f"verify: offline estimate {offline['acceptance_length']} vs vLLM {same} "
-        f"(all windows {al}); n-gram simulated on the same sequences "
-        f"{(offline.get('ngram') or {}).get('acceptance_length')}"
-    )
-    return offline
+    log(f"verify: offline estimate {offline['acceptance_length']} vs vLLM {same} (same prompts)")
 
 
 def _gate(cfg: Any, results: dict[str, Any], conditions: dict[str, Any]) -> GateResult:
@@ -236,21 +346,45 @@ def _promote(
     conditions: dict[str, Any],
     results: dict[str, Any],
     fp: str,
+    serving: dict[str, Any],
 ) -> str:
-    """Promote the passing draft; returns where it now lies."""
-    return str(
-        promote(
-            draft_dir,
-            cfg.paths.runs_dir,
-            cfg.name,
-            {
-                **conditions,
-                "acceptance_length": results["acceptance_length"],
-                "report": str(out_dir / "report.json"),
-                "key": fp[:8],
-            },
-        )
+    """Promote the passing draft with its serving config; returns where it now lies."""
+    dest = promote(
+        draft_dir,
+        cfg.paths.runs_dir,
+        cfg.name,
+        {
+            **conditions,
+            "acceptance_length": results["acceptance_length"],
+            "report": str(out_dir / "report.json"),
+            "key": fp[:8],
+        },
     )
+    write_serving_config(dest, serving, conditions)
+    return str(dest)
+
+
+def write_serving_config(dest: Path, serving: dict[str, Any], conditions: dict[str, Any]) -> Path:
+    """``serving.json`` in the promoted draft's folder: per concurrency, the
+    ``--speculative-config`` of the best measured k pointing at this folder (what ``vllm
+    serve`` and the systemd unit take), with the tokens/s and speedup it measured and the
+    n-gram baseline at its own best k."""
+    by_c = {}
+    for c, e in serving.items():
+        spec = {**e["speculative_config"], "model": str(dest)}
+        by_c[c] = {
+            **e,
+            "speculative_config": spec,
+            "vllm_args": ["--speculative-config", json.dumps(spec)],
+        }
+    lowest = min(by_c, key=int)
+    doc = {
+        "recommended": {"concurrency": int(lowest), **by_c[lowest]},
+        "by_concurrency": by_c,
+        "measured_on": conditions,
+    }
+    write_json_atomic(dest / "serving.json", doc)
+    return dest / "serving.json"
 
 
 def _write_report(out_dir: Path, report: dict[str, Any]) -> None:

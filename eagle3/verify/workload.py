@@ -60,8 +60,14 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
-def load_workload(spec: str, num_prompts: int | None = None, turns: int = 2) -> list[Conversation]:
-    """Conversations of ``spec`` ('mt_bench' or a file), at most ``turns`` turns each."""
+def load_workload(
+    spec: str, num_prompts: int | None = None, turns: int = 2, mix_categories: bool = False
+) -> list[Conversation]:
+    """Conversations of ``spec`` ('mt_bench' or a file), at most ``turns`` turns each.
+
+    ``mix_categories`` with ``num_prompts``: round-robin over the rows' categories (in the order
+    they first appear) before taking the first N, so 24 MT-bench conversations are 3 of each of
+    its 8 categories instead of 10 writing + 10 roleplay + 4 reasoning."""
     path = mt_bench_path() if spec == "mt_bench" else Path(spec)
     out: list[Conversation] = []
     for n, row in enumerate(_rows(path), 1):
@@ -74,11 +80,15 @@ def load_workload(spec: str, num_prompts: int | None = None, turns: int = 2) -> 
             raise WorkloadError(f"{path}: row {n} has no usable 'turns' / 'prompt' / 'text'")
         cid = str(row.get("question_id", row.get("id", n)))
         out.append(Conversation(cid, tuple(t[:turns]), row.get("category")))
-        if num_prompts is not None and len(out) >= num_prompts:
-            break
     if not out:
         raise WorkloadError(f"{path}: no conversations")
-    return out
+    if mix_categories and num_prompts is not None:
+        by_cat: dict[str | None, list[Conversation]] = {}
+        for c in out:
+            by_cat.setdefault(c.category, []).append(c)
+        queues = list(by_cat.values())
+        out = [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+    return out[:num_prompts] if num_prompts is not None else out
 
 
 def workload_fingerprint(convs: list[Conversation]) -> str:

@@ -1,0 +1,229 @@
+"""Which k to serve: tokens/s of the draft and of the n-gram baseline at every k, from few servers.
+
+Serving every k of a sweep costs a server start and a workload per k and method (11 servers for
+k = 1..5 with the baseline). Two things decide tokens/s at k, and both are cheaper to get:
+
+- **tokens per step** (the acceptance length AL(k)) for EVERY k from one pass: the offline
+  estimate's chains at the largest k, capped at each smaller k (exact: ``offline_acceptance``'s
+  ``by_k``), and the n-gram simulated at each k, both on the baseline's own greedy outputs.
+  Without an offline estimate (no local target, or sampling), the largest-k server's per-position
+  counters: AL(k) = 1 + sum of its first k positions' acceptance.
+- **the time of a step**: with tokens/s S at concurrency c, the time per step (per request's
+  share) is T = AL / S. Served at k, a step runs k draft passes and verifies k + 1 tokens, so
+  T(k) = a + b k per concurrency, fitted through the smallest and the largest k, served first
+  (least squares once more are served). Not through the baseline: speculation has a fixed cost
+  per step the target alone does not pay (on vLLM CPU, a k=1 draft step cost 40% more than a
+  plain step, 20% more than the line from the baseline to k=3 said). With one server
+  (``verify.sweep_servers: 1``) the baseline is the line's other end all the same.
+
+Predicted S(k) = AL(k) / T(k). The predicted best k of each concurrency is then served (while
+``verify.sweep_servers`` allows) and the fit redone with it; the prediction made before a server
+was started is kept next to what it measured. The recommendation is the best MEASURED k of each
+concurrency; the report also names a better predicted k that was not served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Measure = Callable[[int], tuple[dict[int, float], dict[int, float]]]
+"""Serve at k; return ({concurrency: output tokens/s}, {position: acceptance over every window})."""
+
+
+def fit_step_time(points: Sequence[tuple[int, float]], anchor: float) -> tuple[float, float]:
+    """(a, b) of T(k) = a + b k: through (0, anchor) and the one point, or least squares over the
+    points when there are two or more (the anchor, a server without any draft, has no draft
+    overhead: once two ks are served it is left out)."""
+    pts = list(points) if len(points) >= 2 else [(0, anchor), *points]
+    n = len(pts)
+    mk = sum(k for k, _ in pts) / n
+    mt = sum(t for _, t in pts) / n
+    var = sum((k - mk) ** 2 for k, _ in pts)
+    b = sum((k - mk) * (t - mt) for k, t in pts) / var if var else 0.0
+    return mt - b * mk, b
+
+
+def predict(
+    ks: Sequence[int],
+    al: dict[int, float],
+    measured: dict[int, dict[int, float]],
+    base: dict[int, float],
+) -> dict[int, dict[int, float]]:
+    """{concurrency: {k: predicted tokens/s}} from the acceptance lengths ``al`` {k: AL}, the
+    measured {k: {c: tokens/s}} and the baseline's {c: tokens/s}."""
+    out: dict[int, dict[int, float]] = {}
+    for c, s_base in base.items():
+        points = [(k, al[k] / s[c]) for k, s in sorted(measured.items()) if s.get(c)]
+        a, b = fit_step_time(points, 1.0 / s_base)
+        out[c] = {k: al[k] / (a + b * k) if a + b * k > 0 else 0.0 for k in ks}
+    return out
+
+
+def best(per_k: dict[int, float]) -> int:
+    """The k with the most tokens/s (the smaller k on a tie: cheaper, and less to lose)."""
+    return max(sorted(per_k), key=lambda k: (per_k[k], -k))
+
+
+@dataclass
+class MethodSweep:
+    """One method's sweep (the draft's or the n-gram's), as the report keeps it."""
+
+    method: str
+    ks: list[int]
+    acceptance_length: dict[int, float]
+    measured: dict[int, dict[int, float]] = field(default_factory=dict)
+    served: list[int] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    predicted: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    def best_measured(self) -> dict[int, int]:
+        """{concurrency: the served k with the most tokens/s}."""
+        cs = sorted({c for s in self.measured.values() for c in s})
+        return {c: best({k: s[c] for k, s in self.measured.items() if s.get(c)}) for c in cs}
+
+    def best_predicted(self) -> dict[int, int]:
+        return {c: best(p) for c, p in self.predicted.items()}
+
+    def summary_line(self) -> str:
+        """tokens/s by k and concurrency, predicted (and measured where served)."""
+        per_c = [
+            f"c={c}: "
+            + ", ".join(
+                f"k={k} {p:.1f}"
+                + (f" ({self.measured[k][c]:.1f} measured)" if k in self.measured else "")
+                for k, p in pred.items()
+            )
+            for c, pred in self.predicted.items()
+        ]
+        return (
+            f"{self.method} tokens/s by k {'; '.join(per_c)}; best measured {self.best_measured()}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "ks": self.ks,
+            "acceptance_length": {str(k): v for k, v in self.acceptance_length.items()},
+            "served": self.served,
+            "measured_tokens_per_s": _str_keys(self.measured),
+            "predicted_tokens_per_s": _str_keys(self.predicted),
+            "best_measured": {str(c): k for c, k in self.best_measured().items()},
+            "best_predicted": {str(c): k for c, k in self.best_predicted().items()},
+            "checks": self.checks,
+        }
+
+
+def _str_keys(d: dict[int, dict[int, float]]) -> dict[str, dict[str, float]]:
+    return {str(a): {str(b): v for b, v in inner.items()} for a, inner in d.items()}
+
+
+def run_sweep(
+    method: str,
+    ks: Sequence[int],
+    acceptance_length: dict[int, float] | Callable[[dict[int, float]], dict[int, float]],
+    base: dict[int, float],
+    measure: Measure,
+    *,
+    servers: int,
+    measure_all: bool = False,
+    log: Callable[[str], None] = print,
+) -> MethodSweep:
+    """Serve the largest and the smallest k, predict every k, serve the predicted best of each
+    concurrency while fewer than ``servers`` were served, refitting after each.
+
+    ``measure_all`` (bench/verify_sweep.py): then serve every other k too, against the
+    predictions the steps above ended with (kept as ``predicted``: what the stage would have
+    chosen from). ``acceptance_length``: {k: AL}, or a function of the largest k's server's
+    per-position acceptance (the fallback without an offline estimate)."""
+    ks = sorted(ks)
+    sweep = MethodSweep(method, list(ks), {})
+    probes = [ks[-1]] if servers < 2 or len(ks) == 1 else [ks[-1], ks[0]]
+    for k in probes:
+        tps, per_pos = measure(k)
+        if not sweep.acceptance_length:
+            sweep.acceptance_length = (
+                acceptance_length(per_pos)
+                if callable(acceptance_length)
+                else dict(acceptance_length)
+            )
+        sweep.measured[k] = tps
+        sweep.served.append(k)
+
+    def check(k: int) -> None:
+        before = {c: p[k] for c, p in sweep.predicted.items()}
+        log(
+            f"verify: {method} k={k} predicted "
+            + ", ".join(f"{v:.1f} tok/s at c={c}" for c, v in before.items())
+            + f" (from k={sweep.served}); serving it"
+        )
+        sweep.measured[k] = measure(k)[0]
+        sweep.served.append(k)
+        for c, p in before.items():
+            m = sweep.measured[k].get(c)
+            sweep.checks.append(
+                {
+                    "k": k,
+                    "concurrency": c,
+                    "predicted": p,
+                    "measured": m,
+                    "error": p / m - 1 if m else None,
+                    "from_ks": sweep.served[:-1],
+                }
+            )
+
+    while True:
+        sweep.predicted = predict(ks, sweep.acceptance_length, sweep.measured, base)
+        best_ks = dict.fromkeys(sweep.best_predicted().values())
+        todo = [k for k in best_ks if k not in sweep.measured]
+        if not todo or len(sweep.served) >= servers:
+            break
+        check(todo[0])
+    if measure_all:
+        for k in reversed(ks):
+            if k not in sweep.measured:
+                check(k)
+    return sweep
+
+
+def acceptance_from_positions(ks: Sequence[int]) -> Callable[[dict[int, float]], dict[int, float]]:
+    """AL(k) = 1 + the first k positions' acceptance of the largest-k server (vLLM's counters):
+    the fallback where no offline estimate runs."""
+
+    def f(per_pos: dict[int, float]) -> dict[int, float]:
+        return {k: 1 + sum(per_pos.get(i, 0.0) for i in range(k)) for k in ks}
+
+    return f
+
+
+def serving_recommendation(
+    draft: MethodSweep,
+    ngram: MethodSweep | None,
+    base: dict[int, float],
+    spec: Callable[[int], dict],
+) -> dict[str, Any]:
+    """What the promoted draft carries: per concurrency, the speculative config of its best
+    measured k, its tokens/s and speedup, and the n-gram baseline at ITS best k."""
+    by_c: dict[str, Any] = {}
+    nbest = ngram.best_measured() if ngram else {}
+    for c, k in draft.best_measured().items():
+        tps = draft.measured[k][c]
+        entry: dict[str, Any] = {
+            "num_speculative_tokens": k,
+            "speculative_config": spec(k),
+            "tokens_per_s": tps,
+            "speedup": tps / base[c] if base.get(c) else None,
+            "predicted_best_k": draft.best_predicted().get(c),
+        }
+        if ngram and c in nbest:
+            nk = nbest[c]
+            ntps = ngram.measured[nk][c]
+            entry["ngram"] = {
+                "num_speculative_tokens": nk,
+                "tokens_per_s": ntps,
+                "speedup": ntps / base[c] if base.get(c) else None,
+            }
+            entry["draft_over_ngram"] = tps / ntps if ntps else None
+        by_c[str(c)] = entry
+    return by_c

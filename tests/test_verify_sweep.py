@@ -1,0 +1,91 @@
+"""The k sweep's prediction (eagle3/verify/sweep.py) on servers simulated by the model it assumes
+(no vLLM: the real sweep runs in tests/test_verify.py and the hero run's test): acceptance for
+every k known, a step time linear in k with a fixed overhead the baseline does not pay."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3.verify.sweep import (
+    acceptance_from_positions,
+    best,
+    fit_step_time,
+    predict,
+    run_sweep,
+    serving_recommendation,
+)
+
+KS = [1, 2, 3, 4, 5]
+AL = {1: 1.7, 2: 2.1, 3: 2.35, 4: 2.45, 5: 2.5}  # diminishing returns, as drafts have
+BASE = {1: 40.0, 8: 160.0}
+
+
+def server(overhead: dict[int, float], per_k: dict[int, float]):
+    """tokens/s of a simulated server at k: T(k) = 1/S_base + overhead + per_k * k per step."""
+    served = []
+
+    def measure(k: int):
+        served.append(k)
+        tps = {c: AL[k] / (1 / s + overhead[c] + per_k[c] * k) for c, s in BASE.items()}
+        return tps, {i: AL[i + 1] - AL.get(i, 1.0) for i in range(k)}
+
+    return measure, served
+
+
+def test_fit_and_predict():
+    assert fit_step_time([(3, 0.05)], 0.02) == pytest.approx((0.02, 0.01))
+    assert fit_step_time([(1, 0.03), (3, 0.07)], 1.0) == pytest.approx((0.01, 0.02))  # no anchor
+    pred = predict([1, 3], {1: 2.0, 3: 3.0}, {3: {1: 3.0 / 0.07}}, {1: 1 / 0.01})
+    assert pred[1][3] == pytest.approx(3.0 / 0.07) and pred[1][1] == pytest.approx(2.0 / 0.03)
+    assert best({1: 10.0, 2: 12.0, 3: 12.0}) == 2  # a tie goes to the smaller k
+
+
+def truth(over: dict[int, float], per: dict[int, float]) -> dict[int, dict[int, float]]:
+    return {c: {k: AL[k] / (1 / s + over[c] + per[c] * k) for k in KS} for c, s in BASE.items()}
+
+
+def test_two_ends_predict_every_k_and_the_best_is_served():
+    """The smallest and the largest k served first: a step time linear in k (with a fixed
+    overhead the baseline does not pay) is then known exactly, every k's tokens/s predicted
+    exactly, and the predicted best of each concurrency is served as the check."""
+    over, per = {1: 0.008, 8: 0.002}, {1: 0.002, 8: 0.001}
+    measure, served = server(over, per)
+    sw = run_sweep("draft", KS, AL, BASE, measure, servers=3, log=lambda m: None)
+    want = truth(over, per)
+    assert served[:2] == [5, 1]
+    for c in BASE:
+        assert sw.predicted[c] == pytest.approx(want[c])
+        assert sw.best_predicted()[c] == best(want[c])
+    assert best(want[1]) in served and all(abs(ch["error"]) < 1e-9 for ch in sw.checks)
+    assert sw.best_measured()[1] == best(want[1])
+
+
+def test_one_server_leans_on_the_baseline_and_reports_its_error():
+    """``verify.sweep_servers: 1`` fits through the baseline and the largest k: blind to the fixed
+    overhead, its prediction is off, and the check server of a bench run says by how much."""
+    over, per = {1: 0.008, 8: 0.002}, {1: 0.002, 8: 0.001}
+    measure, served = server(over, per)
+    sw = run_sweep("draft", KS, AL, BASE, measure, servers=1, log=lambda m: None)
+    assert served == [5] and not sw.checks
+    every = run_sweep("draft", KS, AL, BASE, server(over, per)[0], servers=1, measure_all=True)
+    assert sorted(every.measured) == KS  # the bench's mode: every k served, one prediction
+    assert len(every.checks) == 2 * 4 and any(ch["error"] > 0.05 for ch in every.checks)
+    rec = serving_recommendation(
+        every, every, BASE, lambda k: {"method": "eagle3", "num_speculative_tokens": k}
+    )
+    want = truth(over, per)
+    for c in BASE:
+        e = rec[str(c)]
+        assert e["num_speculative_tokens"] == best(want[c])
+        assert e["speculative_config"]["num_speculative_tokens"] == e["num_speculative_tokens"]
+        assert e["speedup"] == pytest.approx(e["tokens_per_s"] / BASE[c])
+        assert e["draft_over_ngram"] == pytest.approx(1.0)
+
+
+def test_acceptance_from_the_largest_k_counters():
+    """Without an offline estimate: AL(k) = 1 + the largest-k server's first k positions."""
+    al = acceptance_from_positions([1, 2, 3])({0: 0.6, 1: 0.3, 2: 0.1})
+    assert al == pytest.approx({1: 1.6, 2: 1.9, 3: 2.0})
+    measure, _ = server({1: 0.0, 8: 0.0}, {1: 0.004, 8: 0.0015})
+    sw = run_sweep("draft", KS, acceptance_from_positions(KS), BASE, measure, servers=1)
+    assert sw.acceptance_length == pytest.approx(AL) and sw.served == [5]
