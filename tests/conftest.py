@@ -138,6 +138,83 @@ def think_server(cpu_cfg, think_model, tmp_path_factory):
         yield server
 
 
+SPEC_AUX = [2, 15, 27]  # SmolLM2's default auxiliary layers (2, N//2, N-3)
+
+
+class SpeculatorsServer:
+    """SmolLM2 served in the speculators format: ``vllm serve DRAFT`` with a RANDOM-weight draft
+    (4096-row vocabulary) whose config names SmolLM2 as its verifier, 3 speculative tokens. A real
+    target server (SmolLM2's ids, the profile's served name; greedy answers are the target's).
+
+    One start serves two tests: tests/test_draft_model.py checks that vLLM serves the format
+    (``get``), then tests/test_generate_vllm.py's server-death test takes it over (``take``) and
+    kills it mid-generate. Either order works: a server is started whenever none is held."""
+
+    def __init__(self, smol_model: Path, work: Path):
+        self.smol_model, self.work = smol_model, work
+        self.server = None
+        self.draft: Path | None = None
+        self.starts = 0
+
+    def _export(self) -> Path:
+        import torch
+
+        from eagle3.draft import build_draft
+        from eagle3.draft.export import export_speculators
+        from eagle3.vocab import build_vocab
+
+        torch.manual_seed(5)
+        counts = torch.zeros(49152, dtype=torch.int64)
+        ids = torch.randint(0, 49152, (20000,))
+        counts.index_add_(0, ids, torch.ones_like(ids))
+        counts[:300] += 100  # the low ids (special tokens, ASCII) always in
+        vocab = build_vocab(counts, 4096)
+        model = build_draft(self.smol_model, 4096, SPEC_AUX)
+        return export_speculators(
+            model,
+            model.config,
+            vocab.d2t,
+            vocab.t2d,
+            self.work / "draft-spec",
+            verifier=str(self.smol_model),
+            num_speculative_tokens=3,
+        )
+
+    def get(self):
+        """The live server (started if none is held)."""
+        if self.server is None:
+            from eagle3.config import load_config
+            from eagle3.serving.server import start_server
+
+            cfg = load_config(CPU_PROFILE, ["serve.port=0"])
+            require_vllm(cfg)
+            self.draft = self.draft or self._export()
+            self.starts += 1
+            self.server = start_server(
+                cfg, str(self.draft), log_dir=self.work / f"logs-{self.starts}"
+            )
+        return self.server
+
+    def take(self):
+        """The live server, handed over: the caller stops (or kills) it."""
+        server, self.server = self.get(), None
+        return server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture(scope="session")
+def speculators_server(smol_model, tmp_path_factory):
+    holder = SpeculatorsServer(smol_model, tmp_path_factory.mktemp("speculators-server"))
+    try:
+        yield holder
+    finally:
+        holder.close()
+
+
 def gen_cfg(tmp_path, *overrides):
     """The CPU profile, small and fast, writing under tmp_path."""
     from eagle3.config import load_config

@@ -27,7 +27,7 @@ from eagle3.draft.export import (
 from eagle3.draft.llama import rope_inv_freq
 from eagle3.target_checkpoint import load_target_embeddings, load_target_tensor
 from eagle3.vocab import build_vocab, draft_to_target
-from tests.conftest import CPU_PROFILE, require_vllm, spec_counters
+from tests.conftest import spec_counters
 from tests.test_mla_draft import KIMI_YARN
 from tests.test_mla_draft import tiny_cfg as tiny_mla_cfg
 
@@ -538,57 +538,27 @@ def test_vllm_loader_names_from_source():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def random_smol_draft(smol_model):
-    """A random-weight draft for SmolLM2 with a 4096-row vocab built from some token counts."""
-    torch.manual_seed(5)
-    counts = torch.zeros(49152, dtype=torch.int64)
-    ids = torch.randint(0, 49152, (20000,))
-    counts.index_add_(0, ids, torch.ones_like(ids))
-    counts[:300] += 100  # the low ids (special tokens, ASCII) always in
-    vocab = build_vocab(counts, 4096)
-    return build_draft(smol_model, 4096, AUX), vocab
-
-
-def _serve_and_check(cfg, model: str, log_dir: Path) -> dict[str, float]:
-    """Serve, chat once, return the spec-decode counter differences; check vLLM's load log."""
+@pytest.mark.vllm
+def test_vllm_serves_speculators_format(speculators_server):
+    """vLLM 0.32 serves the speculators format as the served model (``vllm serve DRAFT``: it loads
+    the verifier named in the config, 3 tokens from it): a random-weight draft for SmolLM2 with a
+    4096-row vocab (tests/conftest.py's ``speculators_server``, whose one start the server-death
+    test of tests/test_generate_vllm.py reuses). The vLLM format is served by the verify test
+    (tests/test_verify.py), with the pipeline's own trained draft."""
     from eagle3.serving.client import chat
-    from eagle3.serving.server import start_server
 
-    with start_server(cfg, model, log_dir=log_dir) as server:
-        before = spec_counters(server.base_url)
-        r = chat(server.base_url, server.model, "What is the capital of France?", max_tokens=24)
-        after = spec_counters(server.base_url)
-        log = server.log_path.read_text() if server.log_path else ""
+    server = speculators_server.get()
+    before = spec_counters(server.base_url)
+    r = chat(server.base_url, server.model, "What is the capital of France?", max_tokens=24)
+    after = spec_counters(server.base_url)
+    log = server.log_path.read_text() if server.log_path else ""
     assert r.content and r.completion_token_ids
     # greedy: a random draft must not change the answer (rejected drafts keep the target's tokens)
     assert "paris" in r.content.lower(), r.content
     # the embedding is not in the export: vLLM must share the target's, and keep our lm_head
     assert "without its own embed_tokens" in log and "distinct lm_head" in log, log[-3000:]
     assert "(2, 15, 27)" in log  # the aux layers reached the target
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-
-
-@pytest.mark.vllm
-def test_vllm_serves_speculators_format(smol_model, random_smol_draft, tmp_path):
-    """vLLM 0.32 serves the speculators format as the served model (``vllm serve DRAFT``: it loads
-    the verifier named in the config, 3 tokens from it). The vLLM format is served by the verify
-    test (tests/test_verify.py), with the pipeline's own trained draft."""
-    from eagle3.config import load_config
-
-    cfg = load_config(CPU_PROFILE, ["serve.port=0"])
-    require_vllm(cfg)
-    model, vocab = random_smol_draft
-    out = export_speculators(
-        model,
-        model.config,
-        vocab.d2t,
-        vocab.t2d,
-        tmp_path / "draft-spec",
-        verifier=str(smol_model),
-        num_speculative_tokens=3,
-    )
-    delta = _serve_and_check(cfg, str(out), tmp_path / "logs")
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     assert delta.get("vllm:spec_decode_num_drafts_total", 0) > 0, delta
     assert (
         delta.get("vllm:spec_decode_num_draft_tokens_total", 0)
