@@ -42,6 +42,16 @@ def _server_up(port: int) -> bool:
         return False
 
 
+def _saved(runs) -> bool:
+    """At least one sample saved by the run's generate stage."""
+    root = runs / "smollm2-cpu" / "generate"
+    return root.exists() and any(
+        next(iter_samples(d, on_bad=lambda *_: None), None) is not None
+        for d in root.iterdir()
+        if d.is_dir() and not d.is_symlink()
+    )
+
+
 def test_sigterm_of_verify_stops_its_server(trained_draft, tmp_path):
     port = free_port()
     argv = [
@@ -143,7 +153,8 @@ def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
             return httpx.get(f"{api}/flow_runs/{run['id']}", timeout=5).json()["state_type"]
 
         _wait("the run's own vLLM server up", lambda: _server_up(port), 240, procs)
-        time.sleep(8)  # mid-generate: the smoke chat done, requests in flight
+        # mid-generate: the smoke chat done, samples being written, requests in flight (300 prompts)
+        _wait("the first sample saved", lambda: _saved(runs), 120, procs)
         assert state() == "RUNNING"
         r = httpx.post(
             f"{api}/flow_runs/{run['id']}/set_state",
