@@ -241,12 +241,20 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
         "model": str(draft_dir),
         "num_speculative_tokens": cfg.verify.k,
     }
+    ks = cfg.verify.ks
     stages["verify"] = {
         "settings": dump(cfg.verify),
         "baseline server": server_plan(cfg, model),
         "speculative server": server_plan(cfg, model, speculative_config=spec),
         "artifact": str(cfg.paths.stage_dir("verify")),
     }
+    if len(ks) > 1:
+        n = len(ks) if cfg.verify.sweep_measure_all else min(len(ks), cfg.verify.sweep_servers)
+        stages["verify"]["k sweep"] = (
+            f"k in {ks}: the speculative server above at k={ks[-1]}, then at k={ks[0]} and at the "
+            f"predicted best, at most {n} draft + {n if cfg.verify.ngram_baseline else 0} n-gram "
+            "servers (docs/verify.md, 'Which k')"
+        )
     return {
         "profile": cfg.name,
         "description": cfg.description,
