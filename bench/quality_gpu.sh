@@ -88,7 +88,7 @@ online)
   # issue 29, in the background (setsid: the steps outlive this call's 10-minute limit; `poll`
   # brings the log and results back). Carry [".gpu/g2", ".gpu/d"] after `stage`.
   mkdir -p /tmp/q
-  setsid nohup bash bench/quality_gpu.sh online-steps > /tmp/q/online.log 2>&1 < /dev/null &
+  setsid nohup env N4="${N4:-2000}" bash bench/quality_gpu.sh online-steps > /tmp/q/online.log 2>&1 < /dev/null &
   sleep 60; tail -n 20 /tmp/q/online.log
   ;;
 online-steps)
@@ -112,8 +112,10 @@ online-steps)
   RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT)
   "${RUN[@]}" --train-gen /tmp/q/MIX --work /tmp/q/W --exp "$(cat /tmp/q/exp1.jsonl)" --out /tmp/q/results.jsonl 2>&1 | grep -E '^\{|n-gram|rror|extract' | cut -c 1-600
   echo "main done t=$(($(date +%s) - T0))s"
-  # (a session's 30 device minutes hold the main run and this part only at 2,000 samples x 2)
+  # (a session's 30 device minutes hold the main run and this part only at 2,000 samples x 2;
+  # N4=0 skips it)
   N4=${N4:-2000}
+  [ "$N4" = 0 ] && { echo "all done t=$(($(date +%s) - T0))s"; exit 0; }
   [ -d /tmp/q/MIX4K ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIX4K
   E3='"train.epochs='"${E4:-2}"'"'
   for x in 'off-bf16|' 'off-fp8|"extract.storage_dtype=float8_e4m3fn"' 'on-bf16|"extract.states=online"' \
