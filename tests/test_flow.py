@@ -81,6 +81,7 @@ def test_hero_run_with_verify_prints_acceptance_length(tiny_hero, smol_model, tm
     al = summary["acceptance_length"]
     assert al is not None and 1.0 <= al <= 1 + cfg.verify.num_speculative_tokens
     assert f"acceptance length: {al}" in out.splitlines()[-1]
+    assert "serve (each at its best measured k): c=1: draft k=2 " in out.splitlines()[-2]
     verify_dir = Path(stages["verify"]["dir"])
     assert (verify_dir / "report.json").is_file() and stages["verify"]["info"]["gate"]["passed"]
     assert json.loads((verify_dir / "report.json").read_text())["acceptance_length"] == al
