@@ -40,8 +40,8 @@ from tests.conftest import CPU_PROFILE, ROOT, TINY_STAGES
         ("train.epochs=3", ["train", "verify"]),
         ("train.lr=0.01", ["train", "verify"]),
         ("vocab.draft_vocab_size=4096", ["vocab", "train", "verify"]),
-        ("verify.max_tokens=64", ["verify"]),
-        ("verify.num_speculative_tokens=4", ["verify"]),  # the CPU profile serves 2
+        ("verify.max_tokens=32", ["verify"]),  # the CPU profile asks 64
+        ("verify.num_speculative_tokens=4", ["verify"]),  # the CPU profile sweeps [1, 2]
         ("serve.extra_args=[]", ["verify"]),  # performance flags matter to a speed measurement only
         ("generate.max_tokens=100", ["generate", "extract", "vocab", "train", "verify"]),
         ("generate.temperature=0.7", ["generate", "extract", "vocab", "train", "verify"]),
