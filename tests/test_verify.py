@@ -537,12 +537,18 @@ def test_verify_gate_fails_without_speculation(vllm_server, smol_model, trained_
         "serve.backend=external",
         f"serve.base_url={vllm_server.base_url}",
         f"verify.speculative_base_url={vllm_server.base_url}",
+        "verify.num_speculative_tokens=3",  # one k: an external server serves one
     )
     with pytest.raises(GateFailed, match="no speculative drafts were counted.*not promoted"):
         verify(cfg, str(smol_model), trained_draft, tmp_path / "verify")
     r = json.loads((tmp_path / "verify" / "report.json").read_text())
     assert not r["gate"]["passed"] and r["promoted"] is None and r["outputs"]["mismatches"] == 0
     assert last_promoted(tmp_path, "smollm2-cpu") is None
+    # a k sweep starts a server per k: an external server is refused before anything runs
+    ks = cfg.verify.model_copy(update={"num_speculative_tokens": [1, 3]})
+    sweep = cfg.model_copy(update={"verify": ks})
+    with pytest.raises(ValueError, match="a k sweep starts a server per k.*set one k"):
+        verify(sweep, str(smol_model), trained_draft, tmp_path / "verify-sweep")
 
 
 def test_candidate_link_points_at_the_draft_under_test(tmp_path):
