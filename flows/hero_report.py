@@ -64,16 +64,19 @@ def serving_summary(verify_dir: str | None) -> str | None:
     if not serving:
         return None
 
+    def f(x: float | None, nd: int) -> str:
+        return "-" if x is None else f"{x:.{nd}f}"
+
     def one(c: str, e: dict[str, Any]) -> str:
         ng = e.get("ngram")
         text = (
-            f"c={c}: draft k={e['num_speculative_tokens']} {e['tokens_per_s']:.1f} tok/s "
-            f"(x{e['speedup']:.2f})"
+            f"c={c}: draft k={e['num_speculative_tokens']} {f(e['tokens_per_s'], 1)} tok/s "
+            f"(x{f(e['speedup'], 2)})"
         )
         if ng:
             text += (
-                f" vs n-gram k={ng['num_speculative_tokens']} {ng['tokens_per_s']:.1f} tok/s "
-                f"(x{ng['speedup']:.2f})"
+                f" vs n-gram k={ng['num_speculative_tokens']} {f(ng['tokens_per_s'], 1)} tok/s "
+                f"(x{f(ng['speedup'], 2)})"
             )
         return text
 
