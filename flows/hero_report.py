@@ -15,6 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from eagle3 import stages as stage_registry
 from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
+from eagle3.verify.report import fmt
 
 # (stage, file in its folder, title): the plots inlined in the summary
 PLOTS = (
@@ -32,14 +33,18 @@ def png_markdown(path: Path, title: str) -> str:
     return f"\n### {title}\n\n![{title}](data:image/png;base64,{data})\n"
 
 
+def _verify_report(verify_dir: str | None) -> dict[str, Any]:
+    """The verify stage's report.json ({} when there is none or it cannot be read)."""
+    try:
+        return json.loads((Path(verify_dir) / "report.json").read_text()) if verify_dir else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def ngram_summary(verify_dir: str | None) -> str | None:
     """The n-gram baseline next to the draft, from the verify report (a cached verify has it
     too)."""
-    try:
-        report = json.loads((Path(verify_dir) / "report.json").read_text()) if verify_dir else None
-    except (OSError, ValueError):
-        return None
-    ng = (report or {}).get("ngram")
+    ng = _verify_report(verify_dir).get("ngram")
     if not ng:
         return None
     if not ng.get("measured"):
@@ -56,27 +61,20 @@ def ngram_summary(verify_dir: str | None) -> str | None:
 def serving_summary(verify_dir: str | None) -> str | None:
     """Which k to serve, per concurrency: the draft at its best k vs n-gram at its best k (the
     verify report's ``serving``; a k sweep chose them)."""
-    try:
-        report = json.loads((Path(verify_dir) / "report.json").read_text()) if verify_dir else None
-    except (OSError, ValueError):
-        return None
-    serving = (report or {}).get("serving")
+    serving = _verify_report(verify_dir).get("serving")
     if not serving:
         return None
-
-    def f(x: float | None, nd: int) -> str:
-        return "-" if x is None else f"{x:.{nd}f}"
 
     def one(c: str, e: dict[str, Any]) -> str:
         ng = e.get("ngram")
         text = (
-            f"c={c}: draft k={e['num_speculative_tokens']} {f(e['tokens_per_s'], 1)} tok/s "
-            f"(x{f(e['speedup'], 2)})"
+            f"c={c}: draft k={e['num_speculative_tokens']} {fmt(e['tokens_per_s'], 1)} tok/s "
+            f"(x{fmt(e['speedup'], 2)})"
         )
         if ng:
             text += (
-                f" vs n-gram k={ng['num_speculative_tokens']} {f(ng['tokens_per_s'], 1)} tok/s "
-                f"(x{f(ng['speedup'], 2)})"
+                f" vs n-gram k={ng['num_speculative_tokens']} {fmt(ng['tokens_per_s'], 1)} tok/s "
+                f"(x{fmt(ng['speedup'], 2)})"
             )
         return text
 
