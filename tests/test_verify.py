@@ -104,6 +104,32 @@ def test_gate_and_promotion(tmp_path):
     assert not mism.passed and "differ from the baseline" in mism.reasons[0]
 
 
+def test_gate_compares_at_a_k_both_drafts_served():
+    """After a k sweep the best k can move between drafts: the gate compares vLLM's acceptance
+    at the last draft's k when this one was served at it too, else at a k both were."""
+    base = {"workload_fingerprint": "w", "temperature": 0.0, "max_tokens": 64}
+    prev = {
+        **base,
+        "num_speculative_tokens": 2,
+        "acceptance_length": 1.8,
+        "acceptance_by_k": {"1": 1.5, "2": 1.8},
+        "draft": "d0",
+    }
+    kw = dict(min_acceptance_length=1.0, max_regression=0.05)
+    # best k moved to 1; at the last draft's k=2 it is no worse
+    moved = {**base, "num_speculative_tokens": 1, "acceptance_by_k": {"1": 1.3, "2": 1.85}}
+    g = evaluate_gate(1.3, moved, prev, **kw)
+    assert g.passed and g.checks["previous"]["num_speculative_tokens"] == 2
+    assert g.checks["previous"]["this_draft"] == 1.85
+    # served at k=1 only (a single-k verify): compared there, and worse
+    worse = evaluate_gate(1.3, {**base, "num_speculative_tokens": 1}, prev, **kw)
+    assert not worse.passed and "1.300 at k=1" in worse.reasons[0]
+    assert "1.500 at k=1" in worse.reasons[0]
+    # a k neither served, or another max_tokens: not comparable
+    for cur in ({**base, "num_speculative_tokens": 4}, {**moved, "max_tokens": 128}):
+        assert "not comparable" in evaluate_gate(1.3, cur, prev, **kw).checks["previous"]
+
+
 class OracleDraft:
     """A stand-in draft that 'predicts' from a known sequence: right for the first ``right``
     positions of each chain, wrong after (exercises the chain bookkeeping exactly)."""

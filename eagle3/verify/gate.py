@@ -7,9 +7,11 @@ Promoted drafts of a profile live in ``<runs_dir>/promoted/<profile>/``::
     latest.json                  what was promoted: acceptance length, workload, k, report path
     history.jsonl                one line per promotion
 
-"Not worse than the last promoted draft" compares acceptance lengths only when the workload,
-``num_speculative_tokens`` and temperature are the same; otherwise the comparison is reported
-as not applicable (an acceptance length on another workload says nothing).
+"Not worse than the last promoted draft" compares acceptance lengths only on the same workload,
+temperature and max_tokens, and at one k both drafts were served at (a k sweep records vLLM's
+acceptance length at every k it served, ``acceptance_by_k``; the last draft's own k first, so a
+sweep that moves the best k still compares); otherwise the comparison is reported as not
+applicable (an acceptance length on another workload or at another k says nothing).
 
 ``verify.require_beat_ngram`` adds: the draft's acceptance length and its speedup at the lowest
 concurrency must both exceed the n-gram (prompt lookup) baseline's, measured on the same workload.
@@ -50,9 +52,33 @@ def last_promoted(runs_dir: Path, profile: str) -> dict[str, Any] | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def comparable(prev: dict[str, Any], cur: dict[str, Any]) -> bool:
-    keys = ("workload_fingerprint", "num_speculative_tokens", "temperature", "max_tokens")
-    return all(prev.get(k) == cur.get(k) for k in keys)
+def _by_k(rec: dict[str, Any], acceptance_length: float | None) -> dict[int, float]:
+    """{k: vLLM acceptance length} of a draft: every k it was served at (a record from before
+    ``acceptance_by_k``: its one k)."""
+    by_k = {int(k): a for k, a in (rec.get("acceptance_by_k") or {}).items() if a is not None}
+    k = rec.get("num_speculative_tokens")
+    if acceptance_length is not None and k is not None:
+        by_k.setdefault(int(k), acceptance_length)
+    return by_k
+
+
+def common_k(
+    prev: dict[str, Any], cur: dict[str, Any], acceptance_length: float | None
+) -> tuple[int, float, float] | None:
+    """(k, previous acceptance length, current one) to compare the two drafts at, or None.
+
+    Same workload, temperature and max_tokens; at the last draft's k if this one was served at
+    it, else at this draft's k if the last one was, else the largest k both were."""
+    keys = ("workload_fingerprint", "temperature", "max_tokens")
+    if any(prev.get(k) != cur.get(k) for k in keys):
+        return None
+    a, b = _by_k(prev, prev.get("acceptance_length")), _by_k(cur, acceptance_length)
+    both = set(a) & set(b)
+    if not both:
+        return None
+    order = [prev.get("num_speculative_tokens"), cur.get("num_speculative_tokens")]
+    k = next((k for k in order if k in both), max(both))
+    return k, a[k], b[k]
 
 
 def beat_ngram_reasons(versus: dict[str, Any] | None, ngram_reason: str | None = None) -> list[str]:
@@ -116,24 +142,28 @@ def evaluate_gate(
         reasons.append(
             f"acceptance length {acceptance_length:.3f} < minimum {min_acceptance_length}"
         )
-    if prev is not None and comparable(prev, conditions):
-        floor = prev["acceptance_length"] * (1 - max_regression)
+    same = None if prev is None else common_k(prev, conditions, acceptance_length)
+    if same is not None:
+        k, before, now = same
+        floor = before * (1 - max_regression)
         checks["previous"] = {
-            "acceptance_length": prev["acceptance_length"],
+            "num_speculative_tokens": k,
+            "acceptance_length": before,
+            "this_draft": now,
             "draft": prev.get("draft"),
             "floor": floor,
         }
-        if acceptance_length is not None and acceptance_length < floor:
+        if now < floor:
             reasons.append(
-                f"acceptance length {acceptance_length:.3f} "
-                f"is more than {max_regression:.0%} below the "
-                f"last promoted draft's {prev['acceptance_length']:.3f} ({prev.get('draft')})"
+                f"acceptance length {now:.3f} at k={k} is more than {max_regression:.0%} below "
+                f"the last promoted draft's {before:.3f} at k={k} ({prev.get('draft')})"
             )
     else:
         checks["previous"] = (
             None
             if prev is None
-            else "not comparable (other workload, k, temperature or max_tokens)"
+            else "not comparable (other workload, temperature or max_tokens, or no k both "
+            "were served at)"
         )
     if max_mismatch_fraction is not None and mismatch_fraction is not None:
         checks["max_mismatch_fraction"] = max_mismatch_fraction

@@ -101,6 +101,9 @@ def verify(
         "num_speculative_tokens": k_draft,
         "temperature": v.temperature,
         "max_tokens": v.max_tokens,
+        # vLLM's acceptance length at every k served: the next draft is compared with this one
+        # at a k both served, even where their best k differ
+        "acceptance_by_k": {str(k): a for k, a in sweeps[0].served_acceptance.items()},
     }
     gate = _gate(cfg, results, conditions)
     report: dict[str, Any] = {
@@ -188,6 +191,8 @@ def _single(
     k = cfg.verify.k
     draft = MethodSweep("draft", [k], {k: results["acceptance_length"] or 1.0})
     draft.measured, draft.served = {k: tokens_per_s(arms.spec)}, [k]
+    if results["acceptance_length"] is not None:
+        draft.served_acceptance = {k: results["acceptance_length"]}
     ngram = None
     if arms.ngram:
         ngram = MethodSweep("ngram", [k], {})

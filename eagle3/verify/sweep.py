@@ -77,6 +77,9 @@ class MethodSweep:
     served: list[int] = field(default_factory=list)
     checks: list[dict[str, Any]] = field(default_factory=list)
     predicted: dict[int, dict[int, float]] = field(default_factory=dict)
+    # vLLM's acceptance length at each served k (its counters): what the gate compares between
+    # drafts whose best k differ
+    served_acceptance: dict[int, float] = field(default_factory=dict)
 
     def best_measured(self) -> dict[int, int]:
         """{concurrency: the served k with the most tokens/s}."""
@@ -112,6 +115,7 @@ class MethodSweep:
             "best_measured": {str(c): k for c, k in self.best_measured().items()},
             "best_predicted": {str(c): k for c, k in self.best_predicted().items()},
             "checks": self.checks,
+            "served_acceptance_length": {str(k): v for k, v in self.served_acceptance.items()},
         }
 
 
@@ -140,16 +144,22 @@ def run_sweep(
     ks = sorted(ks)
     sweep = MethodSweep(method, list(ks), {})
     probes = [ks[-1]] if servers < 2 or len(ks) == 1 else [ks[-1], ks[0]]
-    for k in probes:
+
+    def serve(k: int) -> dict[int, float]:
         tps, per_pos = measure(k)
+        sweep.measured[k] = tps
+        sweep.served_acceptance[k] = 1 + sum(per_pos.values())
+        sweep.served.append(k)
+        return per_pos
+
+    for k in probes:
+        per_pos = serve(k)
         if not sweep.acceptance_length:
             sweep.acceptance_length = (
                 acceptance_length(per_pos)
                 if callable(acceptance_length)
                 else dict(acceptance_length)
             )
-        sweep.measured[k] = tps
-        sweep.served.append(k)
 
     def check(k: int) -> None:
         before = {c: p[k] for c, p in sweep.predicted.items()}
@@ -158,8 +168,7 @@ def run_sweep(
             + ", ".join(f"{v:.1f} tok/s at c={c}" for c, v in before.items())
             + f" (from k={sweep.served}); serving it"
         )
-        sweep.measured[k] = measure(k)[0]
-        sweep.served.append(k)
+        serve(k)
         for c, p in before.items():
             m = sweep.measured[k].get(c)
             sweep.checks.append(
