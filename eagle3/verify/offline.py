@@ -155,6 +155,25 @@ def load_draft_for_eval(
     return draft, draft_to_target.to(device)
 
 
+def spread(labels: Sequence[str | None], n: int) -> list[int]:
+    """The indices of at most ``n`` items, taken from each label in turn (in order within each),
+    returned in their original order: a capped estimate still covers every group (every MT-bench
+    category), where the first ``n`` could leave one out."""
+    if n >= len(labels):
+        return list(range(len(labels)))
+    by_label: dict[str | None, list[int]] = {}
+    for i, g in enumerate(labels):
+        by_label.setdefault(g, []).append(i)
+    queues = [iter(q) for q in by_label.values()]
+    picked: list[int] = []
+    while len(picked) < n:
+        for q in queues:
+            i = next(q, None)
+            if i is not None and len(picked) < n:
+                picked.append(i)
+    return sorted(picked)
+
+
 @torch.no_grad()
 def offline_acceptance(
     target_dir: str | Path,
@@ -176,7 +195,8 @@ def offline_acceptance(
     skip. ``ks``: also ``by_k`` = {k: the same for every k in ``ks``}, from ONE pass at the
     largest k (a chain's leading matches at a smaller k are its matches at the largest, capped).
     ``groups`` (one label per sequence, e.g. the MT-bench category): also ``by_group`` (in
-    each ``by_k`` entry too)."""
+    each ``by_k`` entry too); ``max_sequences`` of them are then taken from each group in turn
+    (:func:`spread`)."""
     from transformers import AutoModelForCausalLM
 
     from eagle3.target_checkpoint import checkpoint_dir
@@ -191,7 +211,8 @@ def offline_acceptance(
     walks: list[tuple[list[int], int, int, str | None]] = []  # (acc at kmax, start, length, group)
     scored: list[tuple[list[int], list[int]]] = []
     labels = list(groups) if groups is not None else [None] * len(sequences)
-    for (prompt, output), group in list(zip(sequences, labels))[: max_sequences or len(sequences)]:
+    picked = spread(labels, max_sequences or len(sequences))
+    for (prompt, output), group in ((sequences[i], labels[i]) for i in picked):
         if not prompt or len(output) < 2:
             continue
         scored.append((list(prompt), list(output)))
