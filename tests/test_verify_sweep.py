@@ -58,6 +58,8 @@ def test_two_ends_predict_every_k_and_the_best_is_served():
         assert sw.best_predicted()[c] == best(want[c])
     assert best(want[1]) in served and all(abs(ch["error"]) < 1e-9 for ch in sw.checks)
     assert sw.best_measured()[1] == best(want[1])
+    # vLLM's acceptance at every served k, kept for the gate's comparison across drafts
+    assert sw.served_acceptance == pytest.approx({k: AL[k] for k in served})
 
 
 def test_one_server_leans_on_the_baseline_and_reports_its_error():

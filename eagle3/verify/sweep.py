@@ -148,7 +148,8 @@ def run_sweep(
     def serve(k: int) -> dict[int, float]:
         tps, per_pos = measure(k)
         sweep.measured[k] = tps
-        sweep.served_acceptance[k] = 1 + sum(per_pos.values())
+        if per_pos:  # no drafts counted: no acceptance length to keep
+            sweep.served_acceptance[k] = 1 + sum(per_pos.values())
         sweep.served.append(k)
         return per_pos
 
