@@ -120,9 +120,7 @@ def _plot_sweep(r: dict[str, Any], ax: Any) -> None:
         for c, pred in m["predicted_tokens_per_s"].items():
             b = base.get(c) or 1.0
             ks = [int(k) for k in pred]
-            (line,) = ax.plot(
-                ks, [v / b for v in pred.values()], style, label=f"{name} c={c}"
-            )
+            (line,) = ax.plot(ks, [v / b for v in pred.values()], style, label=f"{name} c={c}")
             meas = [(int(k), s[c] / b) for k, s in m["measured_tokens_per_s"].items() if c in s]
             ax.plot(
                 [k for k, _ in meas],
