@@ -9,6 +9,12 @@ MT-bench category) is in OUT.
 
     .venv/bin/python bench/verify_sweep.py --draft DIR --out OUT [-c configs/smollm2-cpu.yaml] \\
         [--ks 1 2 3 4 5] [--prompts 20] [--set section.field=value ...]
+
+``--replay SWEEP_JSON [--servers N]`` reruns only the stage's choice on a saved run's
+measurements (no vLLM, a second): the stage's current prediction code picks its ks from the
+tokens/s the run measured at those ks, and the rows compare its predicted best with the measured
+best as above. It checks a change to the prediction against every k measured, without the 30-40
+minutes of serving each k again (noise included: it replays one run's measurements).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ def summarize(report: dict) -> list[dict]:
                 {
                     "method": name,
                     "concurrency": int(c),
-                    "served_by_the_stage": m["served"][: report["sweep_servers"]],
+                    "served_by_the_stage": m.get("served_by_the_stage")
+                    or m["served"][: report["sweep_servers"]],
                     "predicted": {k: round(v, 2) for k, v in pred.items()},
                     "measured": {k: round(v, 2) for k, v in meas.items()},
                     "predicted_best_k": int(kp),
@@ -53,15 +60,53 @@ def summarize(report: dict) -> list[dict]:
     return rows
 
 
+def replay(saved: dict, servers: int) -> list[dict]:
+    """The stage's choice (eagle3.verify.sweep.run_sweep) on ``saved``'s measurements: each k
+    "served" returns the tokens/s the saved run measured there."""
+    from eagle3.verify.sweep import run_sweep
+
+    rows = {(r["method"], r["concurrency"]): r for r in saved["rows"]}
+    base = {c: r["baseline_tokens_per_s"] for (m, c), r in rows.items() if m == "draft"}
+    sweep: dict = {"baseline_tokens_per_s": {str(c): s for c, s in base.items()}}
+    for name, al in saved["acceptance_length"].items():
+        measured = {
+            int(k): {c: rows[name, c]["measured"][k] for c in base}
+            for k in rows[name, 1]["measured"]
+        }
+        sw = run_sweep(
+            name,
+            sorted(measured),
+            {int(k): v for k, v in al.items()},
+            base,
+            lambda k, measured=measured: (measured[k], {}),
+            servers=servers,
+            measure_all=True,
+            log=lambda m: None,
+        )
+        sweep[name] = sw.to_dict()
+    return summarize({"sweep": sweep, "sweep_servers": servers})
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-c", "--config", default=str(ROOT / "configs" / "smollm2-cpu.yaml"))
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--draft")
+    ap.add_argument("--out")
+    ap.add_argument("--replay", help="a saved sweep.json: rerun the stage's choice on it")
+    ap.add_argument("--servers", type=int, default=3, help="with --replay: verify.sweep_servers")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--set", action="append", default=[], dest="sets")
     a = ap.parse_args(argv)
+    if a.replay:
+        rows = replay(json.loads(Path(a.replay).read_text()), a.servers)
+        for r in rows:
+            print(json.dumps(r))
+        ok = sum(r["within_5pct"] for r in rows)
+        print(f"predicted best within 5% of the measured best: {ok} of {len(rows)}")
+        return
+    if not (a.draft and a.out):
+        ap.error("--draft and --out (or --replay)")
 
     from eagle3.config import load_config
     from eagle3.embedded import resolve_model
@@ -95,6 +140,12 @@ def main(argv: list[str] | None = None) -> None:
         "turns": report["workload"]["turns"],
         "max_tokens": report["max_tokens"],
         "wall_s": round(time.time() - t0, 1),
+        # what the stage predicted from, per method (what --replay needs)
+        "acceptance_length": {
+            name: m["acceptance_length"]
+            for name, m in report["sweep"].items()
+            if isinstance(m, dict) and "acceptance_length" in m
+        },
         "offline_acceptance_by_k": {
             k: round(o["acceptance_length"], 3)
             for k, o in ((report.get("offline") or {}).get("by_k") or {}).items()

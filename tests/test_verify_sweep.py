@@ -1,6 +1,7 @@
 """The k sweep's prediction (eagle3/verify/sweep.py) on servers simulated by the model it assumes
 (no vLLM: the real sweep runs in tests/test_verify.py and the hero run's test): acceptance for
-every k known, a step time linear in k with a fixed overhead the baseline does not pay."""
+every k known, a step time linear in k with a fixed overhead the baseline does not pay, and the
+jump from k=1 to k=2 vLLM CPU showed (docs/benchmarks.md "Which k")."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 from eagle3.verify.sweep import (
     acceptance_from_positions,
     best,
-    fit_step_time,
     predict,
     run_sweep,
     serving_recommendation,
+    step_time,
 )
 
 KS = [1, 2, 3, 4, 5]
@@ -20,28 +21,36 @@ AL = {1: 1.7, 2: 2.1, 3: 2.35, 4: 2.45, 5: 2.5}  # diminishing returns, as draft
 BASE = {1: 40.0, 8: 160.0}
 
 
-def server(overhead: dict[int, float], per_k: dict[int, float]):
-    """tokens/s of a simulated server at k: T(k) = 1/S_base + overhead + per_k * k per step."""
+def step(c: int, k: int, over: dict, per: dict, jump: dict | None = None) -> float:
+    """A simulated server's step time at k: 1/S_base + overhead + per_k * k (+ a jump from k=2)."""
+    return 1 / BASE[c] + over[c] + per[c] * k + ((jump or {}).get(c, 0.0) if k >= 2 else 0.0)
+
+
+def server(overhead: dict[int, float], per_k: dict[int, float], jump: dict | None = None):
+    """tokens/s of a simulated server at k (``step``), and its per-position acceptance."""
     served = []
 
     def measure(k: int):
         served.append(k)
-        tps = {c: AL[k] / (1 / s + overhead[c] + per_k[c] * k) for c, s in BASE.items()}
+        tps = {c: AL[k] / step(c, k, overhead, per_k, jump) for c in BASE}
         return tps, {i: AL[i + 1] - AL.get(i, 1.0) for i in range(k)}
 
     return measure, served
 
 
-def test_fit_and_predict():
-    assert fit_step_time([(3, 0.05)], 0.02) == pytest.approx((0.02, 0.01))
-    assert fit_step_time([(1, 0.03), (3, 0.07)], 1.0) == pytest.approx((0.01, 0.02))  # no anchor
+def test_step_time_and_predict():
+    assert step_time(3, [(3, 0.05)], 0.02) == pytest.approx(0.05)
+    assert step_time(2, [(3, 0.05)], 0.02) == pytest.approx(0.04)  # the line from the anchor
+    pts = [(1, 0.03), (2, 0.05), (5, 0.08)]  # exact where served, piecewise between, no anchor
+    assert [step_time(k, pts, 1.0) for k in (1, 2, 3, 5)] == pytest.approx([0.03, 0.05, 0.06, 0.08])
+    assert step_time(7, pts, 1.0) == pytest.approx(0.10)  # beyond: the nearest two's line
     pred = predict([1, 3], {1: 2.0, 3: 3.0}, {3: {1: 3.0 / 0.07}}, {1: 1 / 0.01})
     assert pred[1][3] == pytest.approx(3.0 / 0.07) and pred[1][1] == pytest.approx(2.0 / 0.03)
     assert best({1: 10.0, 2: 12.0, 3: 12.0}) == 2  # a tie goes to the smaller k
 
 
-def truth(over: dict[int, float], per: dict[int, float]) -> dict[int, dict[int, float]]:
-    return {c: {k: AL[k] / (1 / s + over[c] + per[c] * k) for k in KS} for c, s in BASE.items()}
+def truth(over: dict, per: dict, jump: dict | None = None) -> dict[int, dict[int, float]]:
+    return {c: {k: AL[k] / step(c, k, over, per, jump) for k in KS} for c in BASE}
 
 
 def test_two_ends_predict_every_k_and_the_best_is_served():
@@ -91,3 +100,21 @@ def test_acceptance_from_the_largest_k_counters():
     measure, _ = server({1: 0.0, 8: 0.0}, {1: 0.004, 8: 0.0015})
     sw = run_sweep("draft", KS, acceptance_from_positions(KS), BASE, measure, servers=1)
     assert sw.acceptance_length == pytest.approx(AL) and sw.served == [5]
+
+
+def test_a_jump_after_k1_is_caught_by_serving_the_predicted_best():
+    """vLLM CPU at concurrency 8: the step time jumps from k=1 to k=2 (up to 21% over the line
+    through k=1 and k=5). The line predicts k=2; served, k=2 measures worse than k=1, and the
+    step time interpolated through k=1, 2 and 5 then predicts k=1, the true best. The check
+    keeps how far the two-server prediction was off."""
+    over, per, jump = {1: 0.008, 8: 0.002}, {1: 0.008, 8: 0.001}, {1: 0.0, 8: 0.004}
+    want = truth(over, per, jump)
+    assert best(want[1]) == 2 and best(want[8]) == 1
+    measure, served = server(over, per, jump)
+    sw = run_sweep("draft", KS, AL, BASE, measure, servers=4, log=lambda m: None)
+    assert served == [5, 1, 2] and sw.stage_served == served  # then nothing left to check
+    (ch,) = [ch for ch in sw.checks if ch["concurrency"] == 8]
+    assert ch["k"] == 2 and ch["error"] > 0.2 and ch["from_ks"] == [5, 1]
+    for c in BASE:
+        assert sw.best_predicted()[c] == best(want[c])
+        assert sw.predicted[c][2] == pytest.approx(want[c][2])  # exact where served

@@ -75,10 +75,7 @@ def verify(
     v = cfg.verify
     draft_dir, out_dir = Path(draft_dir).resolve(), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not (draft_dir / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{draft_dir}: no exported draft (config.json missing): run the train stage"
-        )
+    _require_draft(draft_dir)
     started = time.time()
     convs = load_workload(v.workload, v.num_prompts, v.turns, v.mix_categories)
     fp = workload_fingerprint(convs)
@@ -96,15 +93,7 @@ def verify(
     serving = serving_recommendation(
         *sweeps, base_tps, partial(speculative_config, cfg, str(draft_dir))
     )
-    conditions = {
-        "workload_fingerprint": fp,
-        "num_speculative_tokens": k_draft,
-        "temperature": v.temperature,
-        "max_tokens": v.max_tokens,
-        # vLLM's acceptance length at every k served: the next draft is compared with this one
-        # at a k both served, even where their best k differ
-        "acceptance_by_k": {str(k): a for k, a in sweeps[0].served_acceptance.items()},
-    }
+    conditions = _conditions(v, fp, k_draft, sweeps[0])
     gate = _gate(cfg, results, conditions)
     report: dict[str, Any] = {
         "stage": "verify",
@@ -143,6 +132,26 @@ def verify(
             + f" (report: {out_dir / 'report.md'}); the draft was not promoted"
         )
     return report
+
+
+def _require_draft(draft_dir: Path) -> None:
+    if not (draft_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{draft_dir}: no exported draft (config.json missing): run the train stage"
+        )
+
+
+def _conditions(v: Any, fp: str, k_draft: int, draft_sweep: MethodSweep) -> dict[str, Any]:
+    """What the gate compares the next draft under (stored with the promoted draft)."""
+    return {
+        "workload_fingerprint": fp,
+        "num_speculative_tokens": k_draft,
+        "temperature": v.temperature,
+        "max_tokens": v.max_tokens,
+        # vLLM's acceptance length at every k served: the next draft is compared with this one
+        # at a k both served, even where their best k differ
+        "acceptance_by_k": {str(k): a for k, a in draft_sweep.served_acceptance.items()},
+    }
 
 
 def _sweep_section(

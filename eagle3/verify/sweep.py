@@ -10,16 +10,17 @@ k = 1..5 with the baseline). Two things decide tokens/s at k, and both are cheap
   counters: AL(k) = 1 + sum of its first k positions' acceptance.
 - **the time of a step**: with tokens/s S at concurrency c, the time per step (per request's
   share) is T = AL / S. Served at k, a step runs k draft passes and verifies k + 1 tokens, so
-  T(k) = a + b k per concurrency, fitted through the smallest and the largest k, served first
-  (least squares once more are served). Not through the baseline: speculation has a fixed cost
-  per step the target alone does not pay (on vLLM CPU, a k=1 draft step cost 40% more than a
-  plain step, 20% more than the line from the baseline to k=3 said). With one server
+  T(k) grows with k; the smallest and the largest k are served first, and T at the ks between
+  is interpolated from the served ks (``step_time``: the line through the two ends at first,
+  piecewise once more are served). Not through the baseline: speculation has a fixed cost per
+  step the target alone does not pay (on vLLM CPU, a k=1 draft step cost 40% more than a plain
+  step, 20% more than the line from the baseline to k=3 said). With one server
   (``verify.sweep_servers: 1``) the baseline is the line's other end all the same.
 
 Predicted S(k) = AL(k) / T(k). The predicted best k of each concurrency is then served (while
-``verify.sweep_servers`` allows) and the fit redone with it; the prediction made before a server
-was started is kept next to what it measured. The recommendation is the best MEASURED k of each
-concurrency; the report also names a better predicted k that was not served.
+``verify.sweep_servers`` allows) and T interpolated again with it; the prediction made before a
+server was started is kept next to what it measured (``checks``). The recommendation is the best
+MEASURED k of each concurrency; the report also names a better predicted k that was not served.
 """
 
 from __future__ import annotations
@@ -32,17 +33,21 @@ Measure = Callable[[int], tuple[dict[int, float], dict[int, float]]]
 """Serve at k; return ({concurrency: output tokens/s}, {position: acceptance over every window})."""
 
 
-def fit_step_time(points: Sequence[tuple[int, float]], anchor: float) -> tuple[float, float]:
-    """(a, b) of T(k) = a + b k: through (0, anchor) and the one point, or least squares over the
-    points when there are two or more (the anchor, a server without any draft, has no draft
-    overhead: once two ks are served it is left out)."""
-    pts = list(points) if len(points) >= 2 else [(0, anchor), *points]
-    n = len(pts)
-    mk = sum(k for k, _ in pts) / n
-    mt = sum(t for _, t in pts) / n
-    var = sum((k - mk) ** 2 for k, _ in pts)
-    b = sum((k - mk) * (t - mt) for k, t in pts) / var if var else 0.0
-    return mt - b * mk, b
+def step_time(k: int, points: Sequence[tuple[int, float]], anchor: float) -> float:
+    """T(k) from the served ks' measured step times: exact at a served k, linear between the two
+    served ks around k, the line through the nearest two beyond them. With one served k, the line
+    through it and (0, ``anchor``) (the baseline, which has no draft overhead).
+
+    Piecewise, not one line fitted to every point: on vLLM CPU the step time jumps from k=1 to
+    k=2 and then grows slower (k=2..4 measured 1-21% over the line through k=1 and k=5 in all 8
+    sweeps of docs/benchmarks.md "Which k", most at concurrency 8), so a least-squares line
+    through the served ks kept predicting k=2 after k=2 was served and measured worse than k=1."""
+    pts = sorted(dict(points).items())
+    if len(pts) == 1:
+        pts = [(0, anchor), *pts]
+    lo = next((i for i in range(len(pts) - 1) if k <= pts[i + 1][0]), len(pts) - 2)
+    (k0, t0), (k1, t1) = pts[lo], pts[lo + 1]
+    return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
 
 
 def predict(
@@ -56,8 +61,8 @@ def predict(
     out: dict[int, dict[int, float]] = {}
     for c, s_base in base.items():
         points = [(k, al[k] / s[c]) for k, s in sorted(measured.items()) if s.get(c)]
-        a, b = fit_step_time(points, 1.0 / s_base)
-        out[c] = {k: al[k] / (a + b * k) if a + b * k > 0 else 0.0 for k in ks}
+        times = {k: step_time(k, points, 1.0 / s_base) for k in ks}
+        out[c] = {k: al[k] / t if t > 0 else 0.0 for k, t in times.items()}
     return out
 
 
@@ -80,6 +85,8 @@ class MethodSweep:
     # vLLM's acceptance length at each served k (its counters): what the gate compares between
     # drafts whose best k differ
     served_acceptance: dict[int, float] = field(default_factory=dict)
+    # the ks the stage itself chose to serve (``served`` also holds a bench's measure-all ones)
+    stage_served: list[int] = field(default_factory=list)
 
     def best_measured(self) -> dict[int, int]:
         """{concurrency: the served k with the most tokens/s}."""
@@ -116,6 +123,7 @@ class MethodSweep:
             "best_predicted": {str(c): k for c, k in self.best_predicted().items()},
             "checks": self.checks,
             "served_acceptance_length": {str(k): v for k, v in self.served_acceptance.items()},
+            "served_by_the_stage": self.stage_served or self.served,
         }
 
 
@@ -190,6 +198,7 @@ def run_sweep(
         if not todo or len(sweep.served) >= servers:
             break
         check(todo[0])
+    sweep.stage_served = list(sweep.served)
     if measure_all:
         for k in reversed(ks):
             if k not in sweep.measured:
