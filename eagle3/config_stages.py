@@ -223,12 +223,13 @@ class TrainConfig(_Section):
         json_schema_extra=UNKEYED,
     )
 
-    state_cache_gib: float = Field(
-        2.0,
-        ge=0,
-        description="extract.states online: GiB of the target's states kept on disk for later "
-        "epochs (the first ones that fit, in extract.storage_dtype); the rest is recomputed "
-        "each epoch. The run never holds more on disk.",
+    state_cache_gib: float | Literal["auto"] = Field(
+        "auto",
+        description="extract.states online: GiB of the target's states kept for later epochs, "
+        "in extract.storage_dtype: memory first (the training GPU when they fit there as "
+        "offline states do, else host memory), then files on disk for the rest; what is not "
+        "kept is recomputed each epoch. auto: every state, as far as free GPU or host memory "
+        "and the disk (less a margin, docs/train.md 'Online states') allow. 0: pure online.",
         json_schema_extra=UNKEYED,
     )
     online_prefetch: int = Field(
@@ -239,6 +240,13 @@ class TrainConfig(_Section):
         "loader thread).",
         json_schema_extra=UNKEYED,
     )
+
+    @field_validator("state_cache_gib")
+    @classmethod
+    def _cache_size(cls, v: float | str) -> float | str:
+        if not isinstance(v, str) and v < 0:
+            raise ValueError("state_cache_gib must be >= 0 or 'auto'")
+        return v
 
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
