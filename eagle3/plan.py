@@ -123,6 +123,7 @@ def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
     parameter counts."""
     from eagle3.draft import draft_arch
     from eagle3.draft.export import expected_shapes
+    from eagle3.train.build import draft_config
 
     arch = cfg.draft_arch
     spec = draft_arch(arch)
@@ -136,19 +137,8 @@ def draft_plan(cfg: PipelineConfig, model: str) -> dict[str, Any]:
     if target_conf is None:
         out["note"] = "shapes unknown until the target's config.json is available"
         return out
-    overrides = {
-        k: v
-        for k, v in {
-            "num_attention_heads": tc.draft_num_attention_heads,
-            "num_key_value_heads": tc.draft_num_key_value_heads,
-            "intermediate_size": tc.draft_intermediate_size,
-        }.items()
-        if v is not None
-    }
     try:
-        dcfg = spec.config_cls.from_target(
-            target_conf, cfg.vocab.draft_vocab_size, cfg.aux_layers, **overrides
-        )
+        dcfg = draft_config(cfg, target_conf)  # the function train's build_model uses
     except (TypeError, ValueError, KeyError) as e:
         out["error"] = f"cannot size the draft: {e}"
         return out

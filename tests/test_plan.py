@@ -226,3 +226,67 @@ def test_the_stages_own_modules_do_not_import_the_stage_contract():
     root = Path(__file__).resolve().parents[1] / "eagle3"
     for mod in ("extract/runner.py", "generate/status.py", "keys.py"):
         assert "from eagle3.stages import" not in (root / mod).read_text(), mod
+
+
+def _tiny_llama_target(folder):
+    """A 4-layer Llama config.json and its embedding: all build_model reads of a target."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    conf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 4,
+        "vocab_size": 256,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+    }
+    (folder / "config.json").write_text(json.dumps(conf))
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(256, 64)}, str(folder / "model.safetensors")
+    )
+    return folder
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_plan_describes_the_draft_train_builds(tmp_path, norm_before_residual):
+    """`eagle3 plan` and train's build_model take the draft's settings from one function
+    (eagle3.train.build.draft_overrides): the plan's config is the config train builds, with the
+    profile's norm_before_residual and draft sizes (issue 38: the plan's copy had lost it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from eagle3.config import load_config
+    from eagle3.plan import draft_plan
+    from eagle3.train.build import build_model
+    from eagle3.vocab import build_vocab
+
+    target = _tiny_llama_target(tmp_path / "target")
+    cfg = load_config(
+        CPU_PROFILE,
+        [
+            f"target.model={target}",
+            "target.num_hidden_layers=4",
+            "target.hidden_size=64",
+            "target.vocab_size=256",
+            "extract.aux_layers=[1,2,3]",
+            "vocab.draft_vocab_size=32",
+            f"train.norm_before_residual={str(norm_before_residual).lower()}",
+            "train.draft_num_key_value_heads=2",
+            "train.draft_intermediate_size=96",
+            "train.head_init=random",
+        ],
+    )
+    planned = draft_plan(cfg, str(target))["config"]
+    vocab = build_vocab(torch.arange(256, dtype=torch.int64) + 1, 32)
+    built = build_model(cfg, target, vocab, SimpleNamespace(aux_width=None)).config.to_dict()
+    assert planned["norm_before_residual"] is norm_before_residual
+    assert (planned["num_key_value_heads"], planned["intermediate_size"]) == (2, 96)
+    assert planned == built

@@ -9,19 +9,20 @@ from typing import Any
 
 import torch
 
-from eagle3.draft import DraftModel, build_draft
+from eagle3.draft import DraftModel, build_draft, draft_arch
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.train.target import init_head_from_target
 from eagle3.vocab import VocabMapping
 
 
-def build_model(
-    cfg: Any, target_dir: Path, vocab: VocabMapping, ds: HiddenStateDataset
-) -> DraftModel:
-    """The draft of ``train.draft_arch`` from the seed, checked against the vocab and the stored
-    states, its read-out optionally started from the target's and frozen."""
+def draft_overrides(cfg: Any) -> dict[str, Any]:
+    """The profile's changes to the draft config its target implies (``from_target``'s keywords).
+
+    One function for train (:func:`build_model`) and ``eagle3 plan`` (eagle3/plan.py), so the plan
+    describes the draft train builds: a second copy had lost ``norm_before_residual`` (issue 38).
+    Unset fields are left out, so the target's own value (or the config's default) stands."""
     tc = cfg.train
-    overrides = {
+    return {
         k: v
         for k, v in {
             "num_attention_heads": tc.draft_num_attention_heads,
@@ -31,11 +32,28 @@ def build_model(
         }.items()
         if v is not None
     }
+
+
+def draft_config(cfg: Any, target_config: dict[str, Any] | str | Path) -> Any:
+    """The draft config train would build for ``target_config`` (a config.json as a dict, a file
+    or a folder), without weights: what ``eagle3 plan`` prints."""
+    spec = draft_arch(cfg.draft_arch)
+    return spec.config_cls.from_target(
+        target_config, cfg.vocab.draft_vocab_size, list(cfg.aux_layers), **draft_overrides(cfg)
+    )
+
+
+def build_model(
+    cfg: Any, target_dir: Path, vocab: VocabMapping, ds: HiddenStateDataset
+) -> DraftModel:
+    """The draft of ``train.draft_arch`` from the seed, checked against the vocab and the stored
+    states, its read-out optionally started from the target's and frozen."""
+    tc = cfg.train
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     aux_layers = list(cfg.aux_layers)
     model = build_draft(
-        target_dir, vocab.draft_vocab_size, aux_layers, arch=cfg.draft_arch, **overrides
+        target_dir, vocab.draft_vocab_size, aux_layers, arch=cfg.draft_arch, **draft_overrides(cfg)
     )
     dcfg = model.config
     if vocab.target_vocab_size != dcfg.vocab_size:
