@@ -20,6 +20,7 @@ from eagle3.config_sections import (
     EMBEDDED_PREFIX,
     UNKEYED,
     PathsConfig,
+    PlanConfig,
     ServeConfig,
     TargetConfig,
     _Section,
@@ -44,6 +45,7 @@ __all__ = [
     "GenerateConfig",
     "PathsConfig",
     "PipelineConfig",
+    "PlanConfig",
     "ServeConfig",
     "TargetConfig",
     "TrainConfig",
@@ -68,6 +70,7 @@ class PipelineConfig(_Section):
     vocab: VocabConfig = Field(default_factory=VocabConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)  # eagle3 plan's estimates; keys nothing
 
     @property
     def aux_layers(self) -> list[int]:

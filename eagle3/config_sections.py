@@ -172,3 +172,36 @@ class ServeConfig(_Section):
         if self.backend == "external" and not self.base_url:
             raise ValueError("backend 'external' needs serve.base_url")
         return self
+
+
+class PlanConfig(_Section):
+    """The figures ``eagle3 plan`` prices the state layouts with (offline, online, hybrid:
+    eagle3/plan_states.py) where no run of this profile has measured them yet. Measured rates (the
+    extract and train manifests under the run folder) win over these; ``eagle3 preflight``
+    measures the disk and memory of the machine it runs on. No stage reads this section: it keys
+    nothing. Say where each figure comes from in the profile."""
+
+    target_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="The target's forward while states are taken (extract's rate, and online "
+        "train's source), tokens (every position of a sample) a second, all its GPUs together.",
+    )
+    train_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="The draft trainer's step reading ready states, tokens (every position) a "
+        "second, all its ranks together.",
+    )
+    node_disk_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Free disk for the run folder on the node the run will use (None: the free "
+        "space at paths.runs_dir where the plan runs).",
+    )
+    host_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Available host memory on that node (None: this machine's); a state cache "
+        "takes at most half of it, as train.state_cache_gib auto does.",
+    )
