@@ -17,6 +17,8 @@ from eagle3.plan_states import states_plan
 from eagle3.serving.command import format_command, vllm_command
 
 STAGES = ["prepare-model", "serve", "generate", "extract", "vocab", "train", "verify"]
+#: where the plan puts the priced state layouts (eagle3/plan_states.py) under the extract stage
+STATES_KEY = "states (offline, online or hybrid: extract.states, train.state_cache_gib)"
 UNITS_DIR = PROJECT_ROOT / "deploy" / "systemd"
 #: Checked-in copies of the architecture part of hub targets' config.json, named after the hub id
 #: (``/`` -> ``--``): how the plan sizes a draft for a target that is not on this machine.
@@ -215,7 +217,7 @@ def build_plan(cfg: PipelineConfig) -> dict[str, Any]:
         stages["extract"]["server"] = extract_server_plan(cfg, model)
     stages["vocab"] = {"settings": dump(cfg.vocab), "artifact": str(cfg.paths.stage_dir("vocab"))}
     draft = draft_plan(cfg, model)
-    stages["extract"]["states (offline or online: extract.states)"] = states_plan(
+    stages["extract"][STATES_KEY] = states_plan(
         cfg,
         target_config_for_plan(cfg, model)[0],
         (draft.get("parameters") or {}).get("trainable"),

@@ -133,23 +133,50 @@ def _gpus(cfg: PipelineConfig) -> Check:
 
 
 def extract_bytes_upper_bound(cfg: PipelineConfig) -> int | None:
-    """What the states of every sample at full length hold on disk: offline, 3 aux + 1 final
-    state per token; online (``extract.states``), token ids and masks plus the state cache."""
-    from eagle3.plan_states import TOKEN_BYTES, state_bytes_per_token, tokens_bound
+    """The disk the profile's state layout takes at most, every sample at full length: offline,
+    3 aux + 1 final state per token; online, token ids and masks; hybrid, + a numeric
+    ``train.state_cache_gib`` (all of it may land on disk). ``auto`` adds nothing: that cache
+    takes only what the disk has free less the margin (eagle3/plan_states.py)."""
+    from eagle3.plan_states import (
+        GIB,
+        TOKEN_BYTES,
+        profile_layout,
+        state_bytes_per_token,
+        tokens_bound,
+    )
 
     tokens = tokens_bound(cfg)
     if tokens is None:
         return None
-    if cfg.extract.states == "online":
-        return tokens * TOKEN_BYTES + int(cfg.train.state_cache_gib * 1024**3)
-    return tokens * state_bytes_per_token(cfg)
+    layout, budget = profile_layout(cfg), cfg.train.state_cache_gib
+    if layout == "offline":
+        return tokens * state_bytes_per_token(cfg)
+    cache = 0 if isinstance(budget, str) else int(budget * GIB)
+    return tokens * TOKEN_BYTES + min(cache, tokens * state_bytes_per_token(cfg))
 
 
 def _size(n: float) -> str:
     return f"{n / 1024**3:.0f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
+def _layout_words(cfg: PipelineConfig) -> str:
+    from eagle3.plan_states import profile_layout
+
+    layout, budget = profile_layout(cfg), cfg.train.state_cache_gib
+    if layout == "offline":
+        return "states offline"
+    if layout == "online":
+        return "states online: tokens, no cache"
+    if isinstance(budget, str):
+        return "states hybrid: tokens + a cache of what the disk has free less the margin (auto)"
+    return f"states hybrid: tokens + {budget:g} GiB cache"
+
+
 def _disk(cfg: PipelineConfig) -> Check:
+    """The disk the profile's layout needs against the free space here, and the layout the plan
+    would pick on this machine (its disk and host memory, measured) where that differs."""
+    from eagle3.plan_states import layout_pick, profile_layout
+
     where = _nearest_existing(cfg.paths.runs_dir)
     free = shutil.disk_usage(where).free
     need = extract_bytes_upper_bound(cfg)
@@ -157,16 +184,16 @@ def _disk(cfg: PipelineConfig) -> Check:
         return Check(
             "disk", "ok", f"{_size(free)} free at {where} (generate.num_samples unset: no estimate)"
         )
+    samples = f"{cfg.generate.num_samples} samples" + (
+        f" + {cfg.extract.dataset_answers} dataset answers" if cfg.extract.dataset_answers else ""
+    )
     detail = (
         f"{_size(free)} free at {where}; extract stores at most {_size(need)} "
-        f"({cfg.generate.num_samples} samples at full length, {cfg.extract.storage_dtype}, "
-        f"states {cfg.extract.states}"
-        + (
-            f": tokens + {cfg.train.state_cache_gib:g} GiB cache)"
-            if cfg.extract.states == "online"
-            else ")"
-        )
+        f"({samples} at full length, {cfg.extract.storage_dtype}, {_layout_words(cfg)})"
     )
+    chosen = layout_pick(cfg)
+    if chosen is not None and chosen != profile_layout(cfg):
+        detail += f"; on this machine the plan picks {chosen} (eagle3 plan says why)"
     if free >= need:
         return Check("disk", "ok", detail)
     # answers are usually far shorter than max_tokens: a quarter of the bound is where it gets tight

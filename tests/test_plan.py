@@ -198,23 +198,25 @@ def test_dry_run_of_the_hero_run(capsys):
         main(["--dry-run", "-c", str(KIMI_PROFILE)])
 
 
-def test_kimi_plan_shows_both_state_layouts_and_preflight_sizes_the_chosen_one():
-    """Offline stores ~4.6 TB for the hero run; online keeps tokens + a 2 GiB cache and needs the
-    target's GPUs while train runs (issue 29)."""
+def test_kimi_plan_shows_the_state_layouts_and_preflight_sizes_the_chosen_one():
+    """Offline stores ~4.6 TB for the hero run; online keeps tokens (+ a cache: hybrid) and needs
+    the target's GPUs while train runs (issues 29, 38; the prices: tests/test_plan_states.py)."""
     from eagle3.config import load_config
+    from eagle3.plan import STATES_KEY
     from eagle3.preflight import extract_bytes_upper_bound
 
     r = runner.invoke(app, ["plan", "--config", str(KIMI_PROFILE), "--json"])
-    plan = json.loads(r.output)
-    states = plan["stages"]["extract"]["states (offline or online: extract.states)"]
-    assert states["chosen"] == "offline"
-    assert "4,648.4 GiB" in states["offline"]["disk"]
+    states = json.loads(r.output)["stages"]["extract"][STATES_KEY]
+    assert states["profile"].startswith("offline (extract.states offline")
+    assert states["layouts"]["offline"].startswith("disk 4,648.4 GiB of states")
+    assert states["layouts"]["online"].startswith("disk 0.7 GiB (tokens)")
     on = states["online"]
-    assert "2.0 GiB of cached states" in on["disk"] and "0.7 GiB of tokens" in on["disk"]
     assert "tensor parallel 8" in on["gpus"] and "same GPUs" in on["gpus"]
     assert "GFLOP a token" in on["cost"] and "one process" in on["note"]
     off = extract_bytes_upper_bound(load_config(KIMI_PROFILE))
-    online = extract_bytes_upper_bound(load_config(KIMI_PROFILE, ["extract.states=online"]))
+    online = extract_bytes_upper_bound(
+        load_config(KIMI_PROFILE, ["extract.states=online", "train.state_cache_gib=2"])
+    )
     assert off > 4000 * 1024**3 and online < 3 * 1024**3
 
 
