@@ -91,11 +91,13 @@ def serve(
 ) -> None:
     """Start the target's vLLM server with the configured backend and wait until it is ready."""
     from eagle3.embedded import EmbeddedModelError, resolve_model
+    from eagle3.input_checks import check_target_available
     from eagle3.serving.client import chat as chat_once
     from eagle3.serving.readiness import ServerError
     from eagle3.serving.server import start_server
 
     cfg = load_profile(config, set_)
+    check_target_available(cfg)  # a hub id with no network: at once (issue #39)
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         typer.echo(f"starting {cfg.serve.backend} server for {model} ...")

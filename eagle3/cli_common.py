@@ -63,6 +63,10 @@ def served(cfg: PipelineConfig, base_url: str | None):
 
         return contextlib.nullcontext([root_url(base_url), *cfg.generate.endpoints])
 
+    from eagle3.input_checks import check_target_available
+
+    check_target_available(cfg)  # a hub id with no network: at once, not after 50 s of retries
+
     @contextlib.contextmanager
     def started():
         with start_server(cfg, resolve_model(cfg.target.model, cfg.paths.cache_dir)) as server:

@@ -25,7 +25,9 @@ from eagle3.cli_common import (
     tokenizer_path,
 )
 from eagle3.errors import Eagle3Error, Interrupted
+from eagle3.input_checks import check_dataset, check_target_available
 from eagle3.serving.gpus import GPUsBusy, units_restored
+from eagle3.writer_lock import check_output_dir, writer_lock
 
 # Long one-line docstrings (noqa: E501) stay one line: eagle3/cli.py says why.
 
@@ -43,16 +45,21 @@ def generate(
 ) -> None:
     """Send every prompt to the target and keep reasoning, answer and exact token ids (resumable)."""  # noqa: E501
     from eagle3.embedded import EmbeddedModelError
-    from eagle3.generate.runner import ServerUnavailable, check_dataset
+    from eagle3.generate.runner import ServerUnavailable
     from eagle3.serving.readiness import ServerError
     from eagle3.stages import run_stage, stage_key
 
     cfg = load_profile(config, set_)
     out = out or cfg.paths.artifact_dir("generate", stage_key(cfg, "generate"))
     tokenizer = tokenizer_path(cfg)
-    check_dataset(cfg)  # before the server: a missing file is found in a second
+    # every input before the server (issue #39): each of these fails in a second
+    check_output_dir(out)
+    check_dataset(cfg)
+    if not base_url:
+        check_target_available(cfg)
     try:
-        with served(cfg, base_url) as urls:
+        # one writer per folder: taken before the server starts, held through run_stage
+        with writer_lock(out, "generate"), served(cfg, base_url) as urls:
             fields = "{task.fields[tps]:.0f} tok/s  errors {task.fields[err]}"
             with progress_bar("generate", fields) as bar:
                 task = bar.add_task("generate", total=cfg.generate.num_samples, tps=0.0, err=0)

@@ -63,6 +63,15 @@ class CorruptArtifact(Eagle3Error):
     """A stored file (e.g. a safetensors shard) is truncated or unreadable; names the file."""
 
 
+class FolderBusy(Eagle3Error):
+    """Another process is writing the same stage folder (it holds the folder's writer lock); the
+    message names it (pid, host, start time, command). Two writers duplicated samples (#39)."""
+
+
+class OutputDirError(Eagle3Error):
+    """The output folder cannot be one: an existing file, or a place that cannot be written."""
+
+
 class DiskFull(Eagle3Error, OSError):
     """No space left: says where, about how much more is needed, and that a rerun resumes."""
 
@@ -116,10 +125,12 @@ __all__ = [
     "DiskFull",
     "EndpointError",
     "Eagle3Error",
+    "FolderBusy",
     "InputDataError",
     "Interrupted",
     "MissingSamples",
     "NoResult",
+    "OutputDirError",
     "ServerError",
     "ServerUnavailable",
     "TokenIdMismatch",

@@ -20,6 +20,7 @@ stage").
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,8 +29,10 @@ from typing import Any
 
 from eagle3 import artifacts
 from eagle3.config import PipelineConfig
+from eagle3.input_checks import check_stage_inputs
 from eagle3.keys import CODE_VERSIONS, INPUTS, KEY_CONFIG, key_of, keyed, serve_keyed  # noqa: F401
 from eagle3.serving.gpus import release_gpus
+from eagle3.writer_lock import check_output_dir, writer_lock
 
 VOCAB_FILE = "vocab.safetensors"
 DRAFT_DIR = "vllm-draft"
@@ -135,7 +138,8 @@ def _run_vocab(r: StageRun) -> dict[str, Any]:
     from eagle3.vocab import vocab_stage
 
     c = r.cfg
-    meta = {"target": c.target.model}
+    # the extract it was built from: train refuses it for another (eagle3.input_checks)
+    meta = {"target": c.target.model, "extract_tokens_key": r.options["input_keys"]["extract"]}
     return vocab_stage(
         r.inputs["extract"], r.out_dir, c.target.vocab_size, c.vocab.draft_vocab_size, meta
     )
@@ -340,13 +344,19 @@ def run_stage(
     out_dir = Path(out_dir or keyed_dir)
     options = {**run.pop("options", {}), "input_keys": keys}
     r = StageRun(cfg, out_dir, {k: Path(v) for k, v in input_dirs.items()}, options=options, **run)
-    if s.gpus and os.environ.get("RANK", "0") == "0":
-        release_gpus(cfg, stage, log=r.log)  # a production unit holds the GPUs this stage needs
-    result = s.run(r)
-    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 wrote everything and seals
-        return out_dir, result, {}
-    summary = s.summary(r, result)
-    artifacts.seal(out_dir, stage, key, s.code_version, keys, summary, stage_config(cfg, stage))
-    if out_dir.resolve() == keyed_dir.resolve():
-        artifacts.set_latest(cfg, stage, key)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    check_output_dir(out_dir)  # every input before any server starts or model loads (#39)
+    check_stage_inputs(stage, r)  # ... and before the folder is created: a mistake leaves none
+    # one writer per folder, for the whole run (issue #39); under torchrun rank 0 holds it
+    with writer_lock(out_dir, stage) if rank0 else contextlib.nullcontext():
+        if s.gpus and rank0:
+            release_gpus(cfg, stage, log=r.log)  # a production unit holds the GPUs it needs
+        result = s.run(r)
+        if not rank0:  # torchrun: rank 0 wrote everything and seals
+            return out_dir, result, {}
+        summary = s.summary(r, result)
+        config = stage_config(cfg, stage)
+        artifacts.seal(out_dir, stage, key, s.code_version, keys, summary, config)
+        if out_dir.resolve() == keyed_dir.resolve():
+            artifacts.set_latest(cfg, stage, key)
     return out_dir, result, summary

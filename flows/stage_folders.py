@@ -11,6 +11,7 @@ from prefect import get_run_logger
 
 from eagle3 import artifacts
 from eagle3.config import PipelineConfig
+from eagle3.writer_lock import refuse_if_held
 from tasks.caching import StageCall, call_stage
 
 
@@ -35,6 +36,7 @@ def prepare_folder(stage: str, out_dir: Path, key: str, forced: set[str]) -> boo
     the samples themselves and so requests exactly the ones that are gone.
     """
     logger = get_run_logger()
+    refuse_if_held(out_dir, stage)  # another run writes it: clearing it would pull it away
     if stage in forced:
         if out_dir.exists():
             logger.info("%s: forced, clearing %s", stage, out_dir)

@@ -44,6 +44,9 @@ ROLE_ALIASES = {
 }
 
 EMBEDDED_PREFIX = "embedded:"
+FORMATS = ".jsonl, .json or .parquet"  # the local files generate reads
+# a name ending so is a file, never a hub id (a hub id may end in ".5": teknium/OpenHermes-2.5)
+FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt", ".gz", ".zip", ".arrow"}
 # name -> (package, data file inside it, requirement). Data-only packages, installed with --no-deps
 # from requirements-nodeps.txt, so real prompts need neither the model hub nor network access.
 EMBEDDED_DATASETS = {
@@ -288,23 +291,35 @@ def open_rows(dataset: str, split: str = "train") -> tuple[Sequence[Any], str]:
     if dataset.startswith(EMBEDDED_PREFIX):
         data = embedded_dataset_path(dataset[len(EMBEDDED_PREFIX) :]).read_bytes()
         return JsonArrayRecords(data, dataset), hashlib.sha256(data).hexdigest()[:16]
-    path = Path(dataset)
-    looks_local = path.suffix in (".jsonl", ".json", ".parquet") or dataset.startswith(
+    path = Path(dataset).expanduser()
+    looks_local = path.suffix.lower() in FILE_SUFFIXES or dataset.startswith(
         ("/", "./", "../", "~")
     )
-    if looks_local and not path.exists():  # not a hub name: say so instead of asking the hub
-        raise DatasetNotFound(f"dataset file {path} not found: check generate.dataset")
+    hub_id = dataset.count("/") == 1 and not dataset.startswith(("/", ".", "~"))
+    if not path.exists() and (looks_local or not hub_id):
+        # not a hub id (owner/name): say so at once instead of asking the hub (25 s of retries)
+        raise DatasetNotFound(
+            f"dataset file {path} not found (generate.dataset is neither a file here nor a hub "
+            f"dataset id owner/name): give the path of a {FORMATS} file, a hub id such as "
+            f"HuggingFaceH4/ultrachat_200k, or {EMBEDDED_PREFIX}sharegpt"
+        )
+    if path.is_dir():
+        raise InputDataError(
+            f"dataset {path} is a folder: give generate.dataset the path of a {FORMATS} file"
+        )
+    if path.exists() and path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise InputDataError(
+            f"dataset file {path}: unsupported type {path.suffix or '(no suffix)'!r}; generate "
+            f"reads {FORMATS} (rows in the sharegpt, messages or prompt format): convert it, or "
+            "rename it if it is one of these"
+        )
     if path.suffix == ".jsonl":
         fingerprint = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         return [(f"line {n}", row, err) for n, row, err in read_jsonl(path)], fingerprint
     import datasets
 
     if path.exists():
-        kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(
-                f"unsupported dataset file type {path.suffix!r} (jsonl, json, parquet)"
-            )
+        kind = {".json": "json", ".parquet": "parquet"}[path.suffix]
         try:
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # noqa: BLE001 - datasets wraps the cause in DatasetGenerationError

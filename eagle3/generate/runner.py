@@ -226,6 +226,15 @@ class _Run:
                 )
             except (KeyError, IndexError, TypeError) as e:
                 return self.error("failed", f"malformed response: {type(e).__name__}: {e}", prompt)
+            if not record["completion_token_ids"]:  # not a sample: nothing to train on (#39)
+                self.counts["empty_completion"] += 1
+                return self.error(
+                    "failed",
+                    "empty completion: the server returned no token (finish_reason "
+                    f"{record['finish_reason']!r}, max_tokens {max_tokens}); requested again on a "
+                    "rerun",
+                    prompt,
+                )
             self.token_check(record)
             self.store.add(record)
             self.counts["generated"] += 1
@@ -297,13 +306,6 @@ def load_prompts(cfg: PipelineConfig, stats: PromptStats) -> Iterator[Prompt | S
     )
 
 
-def check_dataset(cfg: PipelineConfig) -> None:
-    """Open the dataset and read up to its first prompt. Called before any server starts, so a
-    missing or unreadable file fails in a second instead of after the server's load (issue
-    #30)."""
-    next(iter(load_prompts(cfg, PromptStats())), None)
-
-
 def make_rebuilder(cfg: PipelineConfig, tok: Any | None):
     if tok is None:
         return None
@@ -354,6 +356,7 @@ def generate(
     store = ShardStore(out_dir, shard_size=g.shard_size)
     for where, reason in store.bad_lines:
         log.warning("%s: %s; skipped (that sample is requested again)", where, reason)
+    repaired = _repair(store)
     resumed_from = len(store.done_ids)
     stats = PromptStats()
     progress = Progress(total=g.num_samples, started=time.monotonic())
@@ -375,6 +378,7 @@ def generate(
         finally:
             await pool.close()
 
+    runner.counts.update(repaired)
     try:
         if dropped := recheck_folder(store, check):
             runner.counts["dropped_wrong_token_ids"] = dropped
@@ -403,6 +407,22 @@ def generate(
             ) from e
         raise
     return manifest
+
+
+def _repair(store: ShardStore) -> dict[str, int]:
+    """Drop what two writers at once (or an older version) left: duplicate records, records
+    with no completion token (issue #39). Returns the counts for ``this_run.counts``."""
+    duplicates, empty = store.repair()
+    if duplicates or empty:
+        log.warning(
+            "%s: dropped %d duplicate records (two writers at once?) and %d records with no "
+            "completion token; their samples are requested again where none is left",
+            store.root,
+            duplicates,
+            empty,
+        )
+    counts = {"dropped_duplicates": duplicates, "dropped_empty_completions": empty}
+    return {k: n for k, n in counts.items() if n}
 
 
 def _close_quietly(store: ShardStore) -> None:

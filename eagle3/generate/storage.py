@@ -129,6 +129,11 @@ def _sample_ids(records: list[Any], shard: Path, bad: list[tuple[str, str]]) -> 
     return ids
 
 
+def _empty_ids(records: list[Any]) -> set[str]:
+    """Ids of sample records with no completion token (stored before issue #39 made them errors)."""
+    return {r["id"] for r in records if not not_a_sample(r) and not r["completion_token_ids"]}
+
+
 class ShardStore:
     """Sample shards + errors file of one generate output folder."""
 
@@ -141,11 +146,14 @@ class ShardStore:
             tuple[str, str]
         ] = []  # unreadable complete lines: skipped, their samples redone
         self.done_ids: set[str] = set()
+        # what two writers at once (or an older version) left: found here, removed by repair()
+        self.duplicates = 0
+        self.empty: set[str] = set()
         complete = sorted(self.root.glob("samples-*.jsonl"))
         for shard in complete:
             records, dropped = repair_jsonl(shard, self.bad_lines)
             self.torn_bytes += dropped
-            self.done_ids.update(_sample_ids(records, shard, self.bad_lines))
+            self._take(records, shard)
         open_shards = sorted(self.root.glob(f"samples-*.jsonl{OPEN_SUFFIX}"))
         if len(open_shards) > 1:
             raise RuntimeError(
@@ -168,7 +176,7 @@ class ShardStore:
             self._open_path = open_shards[0]
             records, dropped = repair_jsonl(self._open_path, self.bad_lines)
             self.torn_bytes += dropped
-            self.done_ids.update(_sample_ids(records, self._open_path, self.bad_lines))
+            self._take(records, self._open_path)
             self._count = len(records)
             self._index = int(self._open_path.name.split("-")[1].split(".")[0])
         else:
@@ -177,6 +185,47 @@ class ShardStore:
             self._count = 0
         self._writer = JsonlAppender(self._open_path)
         self._errors = JsonlAppender(self.errors_path)
+
+    def _take(self, records: list[Any], shard: Path) -> None:
+        ids = _sample_ids(records, shard, self.bad_lines)
+        self.duplicates += len(ids) - len(set(ids)) + len(self.done_ids.intersection(ids))
+        self.empty |= _empty_ids(records)
+        self.done_ids.update(ids)
+
+    def repair(self) -> tuple[int, int]:
+        """Drop duplicate records (the first of each id is kept) and records with no completion
+        token; returns (duplicates dropped, empty records dropped). Their samples are requested
+        again where none is left. Why: two writers in one folder left 250 records for 200 prompts
+        and the folder stayed stuck (issue #39); an empty completion was stored as a sample and
+        counted as done. A no-op (no rewrite) when the folder is clean."""
+        if not self.duplicates and not self.empty:
+            return 0, 0
+        self._writer.close()
+        seen: set[str] = set()
+        dup = empty = 0
+        for shard in sorted(self.root.glob("samples-*.jsonl*")):
+            kept, n = [], 0
+            with open(shard, "rb") as f:
+                for raw in f:
+                    record = _parse(raw) if raw.endswith(b"\n") else None
+                    if record is not None and not not_a_sample(record):
+                        if not record["completion_token_ids"]:
+                            empty, n = empty + 1, n + 1
+                            continue
+                        if record["id"] in seen:
+                            dup, n = dup + 1, n + 1
+                            continue
+                        seen.add(record["id"])
+                    kept.append(raw)
+            if n:
+                _rewrite(shard, kept)
+        fsync_dir(self.root)
+        self.done_ids = seen
+        self.duplicates, self.empty = 0, set()
+        if self._open_path.exists():
+            self._count = len(repair_jsonl(self._open_path)[0])
+        self._writer = JsonlAppender(self._open_path)
+        return dup, empty
 
     def _shard_path(self, index: int, open_: bool = False) -> Path:
         return self.root / f"samples-{index:05d}.jsonl{OPEN_SUFFIX if open_ else ''}"
@@ -207,12 +256,7 @@ class ShardStore:
                     else:
                         kept.append(raw)
             if n:
-                tmp = shard.with_name(f".{shard.name}.tmp")
-                with open(tmp, "wb") as f:
-                    f.write(b"".join(kept))
-                    f.flush()
-                    os.fsync(f.fileno())
-                tmp.replace(shard)
+                _rewrite(shard, kept)
                 dropped += n
         fsync_dir(self.root)
         self.done_ids -= ids
@@ -253,11 +297,26 @@ class ShardStore:
         fsync_dir(self.root)
 
 
-def _record_id(raw: bytes) -> str | None:
+def _rewrite(shard: Path, lines: list[bytes]) -> None:
+    """Replace ``shard`` with ``lines`` under a temporary name (not matched by ``samples-*``), so
+    a kill leaves either version whole."""
+    tmp = shard.with_name(f".{shard.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(shard)
+
+
+def _parse(raw: bytes) -> Any:
     try:
-        record = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def _record_id(raw: bytes) -> str | None:
+    record = _parse(raw)
     return record.get("id") if isinstance(record, dict) else None
 
 

@@ -3,7 +3,8 @@
 vLLM cannot be made to answer 429 or 503 on demand, so the client's retry policy is tested
 against this; everything else about generation is tested against the real vLLM server.
 Nor can vLLM be made to answer 200 with a body that is not JSON (a proxy's error page: status
-299 in the script), nor to return token ids that are not its tokenizer's (the canned answer's
+299 in the script), nor, cheaply, with a completion of no token (status 298: finish_reason
+"length", empty text, ``token_ids: []``, what issue #39 saw), nor to return token ids that are not its tokenizer's (the canned answer's
 ids are [9, 8, 7, 6, 5]): tests/test_faults.py uses this for those two cases. ``/v1/models``
 always answers (model "zero") without taking a status from the script.
 
@@ -18,6 +19,12 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]
 from zero_server import BODY, MODELS, Handler, response  # noqa: E402
 
 STATUSES: list[int] = []
+_empty = json.loads(BODY)
+_empty["choices"][0].update(
+    finish_reason="length", token_ids=[], message={"role": "assistant", "content": ""}
+)
+_empty["usage"]["completion_tokens"] = 0
+EMPTY = json.dumps(_empty).encode()
 
 
 class Scripted(Handler):
@@ -44,6 +51,8 @@ class Scripted(Handler):
         status = STATUSES.pop(0) if STATUSES else 200
         if status == 200:
             self.t.write(response(BODY))
+        elif status == 298:  # 200 with a completion of no token (finish_reason length, no text)
+            self.t.write(response(EMPTY))
         elif status == 299:  # 200 with a body that is not JSON (a proxy's error page)
             self.t.write(response(b"<html><body>502 Bad Gateway</body></html>"))
         else:
