@@ -32,7 +32,7 @@ from eagle3.generate.status import generate_status
 from eagle3.serving.gpus import units_restored
 from flows.hero_report import ngram_summary as ngram_summary  # re-exported
 from flows.hero_report import print_summary, write_report
-from flows.stage_folders import prepare_folder, run_stage_task, use_latest
+from flows.stage_folders import one_run_per_profile, prepare_folder, run_stage_task, use_latest
 from tasks.caching import StageCall
 from tasks.extract import extract_task
 from tasks.generate import generate_task
@@ -165,7 +165,9 @@ def hero_run(params: HeroRunParams = DEFAULT_PARAMS) -> dict[str, Any]:
     cfg = load_params(params)
     # systemd + serve.stop_running_unit: a unit that ran before the run runs after it
     # (eagle3.serving.gpus)
-    with units_restored(cfg, log=get_run_logger().info):
+    logger = get_run_logger()
+    # one run per profile: a second one (the nightly, a click in the UI) waits, saying for whom
+    with one_run_per_profile(cfg, log=logger.warning), units_restored(cfg, log=logger.info):
         return _stages(cfg, params, started)
 
 

@@ -1,9 +1,13 @@
 """A stage's keyed folder around its Prefect task: trust it, resume it or clear it before the task
-runs, check it was sealed after, and the latest artifact of a stage the run leaves out."""
+runs, check it was sealed after, and the latest artifact of a stage the run leaves out; and one
+hero run per profile at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +15,8 @@ from prefect import get_run_logger
 
 from eagle3 import artifacts
 from eagle3.config import PipelineConfig
-from eagle3.writer_lock import refuse_if_held
+from eagle3.errors import FolderBusy
+from eagle3.writer_lock import refuse_if_held, writer_lock
 from tasks.caching import StageCall, call_stage
 
 
@@ -77,3 +82,37 @@ def run_stage_task(
     artifacts.set_latest(cfg, stage, key)
     call.result = {**(artifacts.read_marker(out_dir) or {}).get("result", {}), "task": call.result}
     return call
+
+
+@contextlib.contextmanager
+def one_run_per_profile(
+    cfg: PipelineConfig, log: Callable[[str], None], poll_s: float = 5.0, say_every_s: float = 600
+) -> Iterator[None]:
+    """Hold the profile's run folder for the whole hero run; a second run waits (queues) until the
+    first ends, and says in its log (the UI's run page) whom it waits for.
+
+    Why: runs of one profile share their keyed folders, and a nightly regeneration overlapping a
+    run started from the UI wrote 250 records for 200 prompts (issue #39). The stage folders' own
+    locks would make the second run fail mid-way; waiting here is what a queue does. The lock is
+    ``eagle3.writer_lock`` on ``<run dir>`` (released by the kernel if the run's process dies), so
+    it holds across deployments, workers and runs started from the shell on one file system.
+    """
+    waited_since, said = None, 0.0
+    with contextlib.ExitStack() as held:
+        while True:
+            try:
+                held.enter_context(writer_lock(cfg.paths.run_dir, "hero"))
+                break
+            except FolderBusy as e:
+                now = time.monotonic()
+                waited_since = waited_since or now
+                if said == 0.0 or now - said >= say_every_s:
+                    log(
+                        f"waiting: {e}. Runs of one profile share its folders: this run starts "
+                        "when that one ends (cancel this run to give up)"
+                    )
+                    said = now
+            time.sleep(poll_s)
+        if waited_since is not None:
+            log(f"{cfg.paths.run_dir} is free after {time.monotonic() - waited_since:.0f} s")
+        yield

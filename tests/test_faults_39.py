@@ -330,3 +330,34 @@ def test_an_empty_record_stored_by_an_older_run_is_dropped_and_requested_again(s
     assert m["this_run"]["counts"]["dropped_empty_completions"] == 1
     assert m["this_run"]["counts"]["generated"] == 1
     assert all(s["completion_token_ids"] for s in iter_samples(out)) and m["totals"]["samples"] == 3
+
+
+def test_a_second_hero_run_of_a_profile_waits_and_says_for_whom(tmp_path):
+    """The nightly regeneration and a run started from the UI share the profile's folders: the
+    second waits (queues) and its log, on its run page in the UI, names the first. The helper
+    the flow wraps its stages in, without a Prefect server (tests/test_cancel.py runs the flow)."""
+    from flows.stage_folders import one_run_per_profile
+
+    cfg = gen_cfg(tmp_path)
+    code = (
+        "import sys, time\nfrom eagle3.writer_lock import writer_lock\n"
+        "with writer_lock(sys.argv[1], 'hero'):\n    print('held', flush=True)\n"
+        "    time.sleep(1.5)\n"
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-c", code, str(cfg.paths.run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert first.stdout.readline().strip() == "held"
+    said: list[str] = []
+    t0 = time.monotonic()
+    with one_run_per_profile(cfg, log=said.append, poll_s=0.1):
+        waited = time.monotonic() - t0
+        assert first.poll() == 0, "the second run started only when the first had ended"
+    assert waited > 0.5
+    assert said[0].startswith(
+        f"waiting: {cfg.paths.run_dir} is being written by another hero run: pid {first.pid} on "
+    )
+    assert "this run starts when that one ends" in said[0] and "is free after" in said[-1]
