@@ -254,7 +254,8 @@ def pick(cfg: PipelineConfig, lays: dict[str, Layout], node: Node, auto: Layout)
             f"offline's {gib(off.disk)} exceed the node's {gib(node.room)} (free disk less the "
             f"margin); the largest cache the node holds, {gib(auto.cache)} (half the host memory "
             f"+ the disk left after the tokens), keeps {auto.share:.1%} of the states, so later "
-            "epochs recompute only the rest (extract.states: online, train.state_cache_gib: auto)"
+            + ("epochs read only the cache" if auto.share >= 1 else "epochs recompute the rest")
+            + " (extract.states: online, train.state_cache_gib: auto)"
             + saved
         )
     if tokens_disk > node.room:
