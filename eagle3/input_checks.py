@@ -196,11 +196,41 @@ def check_draft_dir(draft_dir: Path) -> None:
             ) from None
 
 
+#: what an input stage's folder must hold for the next stage to read it, and the option that
+#: names the folder on the command line
+INPUT_FOLDERS = {
+    "generate": ("manifest.json", "--generate-dir"),
+    "extract": ("index.json", "--extract-dir"),
+}
+
+
+def check_input_folder(stage: str, inp: str, folder: Path) -> None:
+    """An input stage's folder exists and was written by that stage. Before: a missing generate
+    folder ended in ``[Errno 2] ... manifest.json`` and a missing extract folder in "no
+    loss-carrying tokens were counted"."""
+    if inp not in INPUT_FOLDERS:
+        return
+    name, option = INPUT_FOLDERS[inp]
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputDataError(
+            f"{stage}: its {inp} folder {folder} does not exist: run `eagle3 {inp}` first, or "
+            f"name the folder with {option}"
+        )
+    if not (folder / name).is_file():
+        raise InputDataError(
+            f"{stage}: {folder} has no {name}: {inp} did not finish there (rerun `eagle3 {inp}` "
+            f"into it: it resumes), or name another folder with {option}"
+        )
+
+
 def check_stage_inputs(stage: str, run: Any) -> None:
     """The checks of ``stage`` on its :class:`eagle3.stages.StageRun`, before it runs."""
     cfg = run.cfg
     if stage in ("extract", "train", "verify"):
         check_target_available(cfg)
+    for inp, folder in run.inputs.items():
+        check_input_folder(stage, inp, folder)
     if stage == "train":
         from eagle3.stages import STAGES
 
