@@ -31,7 +31,7 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.embedded import resolve_model  # noqa: E402
 from eagle3.extract.runner import extract  # noqa: E402
 from eagle3.train import train  # noqa: E402
-from eagle3.train.online import disk_bytes  # noqa: E402
+from eagle3.train.state_cache import disk_bytes  # noqa: E402
 from eagle3.vocab import vocab_stage  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2-sharegpt"

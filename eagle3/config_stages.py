@@ -232,16 +232,23 @@ class TrainConfig(_Section):
         "and the disk (less a margin, docs/train.md 'Online states') allow. 0: pure online.",
         json_schema_extra=UNKEYED,
     )
+    state_cache_memory_gib: float | Literal["auto"] = Field(
+        "auto",
+        description="extract.states online: GiB of the state cache kept in memory (the rest of "
+        "train.state_cache_gib on disk). auto: on the training GPU when the whole budget takes "
+        "at most 35% of its free memory, else up to half the available host memory.",
+        json_schema_extra=UNKEYED,
+    )
     online_prefetch: int = Field(
-        4,
+        8,
         ge=1,
         description="extract.states online: batches whose states are asked for ahead of the step "
-        "(requests in flight at the vLLM server; the hf target computes one batch ahead on the "
-        "loader thread).",
+        "(their requests in flight at the vLLM server; the hf target computes all of them in "
+        "extract.token_budget-token forwards on the loader thread, on a GPU).",
         json_schema_extra=UNKEYED,
     )
 
-    @field_validator("state_cache_gib")
+    @field_validator("state_cache_gib", "state_cache_memory_gib")
     @classmethod
     def _cache_size(cls, v: float | str) -> float | str:
         if not isinstance(v, str) and v < 0:

@@ -13,8 +13,9 @@ from typing import Any
 from eagle3.config import PipelineConfig
 
 GIB = 1024**3
-# The rule of train.state_cache_gib auto (eagle3/train/online.py, cache_plan): at most half the
-# available host memory, and the disk's free space less 10% of it (at least 5 GiB).
+# The rule of train.state_cache_gib auto (eagle3/train/state_cache.py, cache_plan, which imports
+# these): at most half the available host memory, and the disk's free space less 10% of it (at
+# least 5 GiB).
 HOST_SHARE = 0.5
 DISK_MARGIN_SHARE, DISK_MARGIN_MIN = 0.1, 5 * GIB
 

@@ -89,9 +89,15 @@ class LayerTap:
 
 @torch.inference_mode()
 def forward_states(
-    model: Any, tap: LayerTap, seqs: list[list[int]], device: torch.device, pad_id: int = 0
+    model: Any,
+    tap: LayerTap,
+    seqs: list[list[int]],
+    device: torch.device,
+    pad_id: int = 0,
+    to_host: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One padded batch -> per sequence (aux [T, 3H], final [T, H]) on the CPU."""
+    """One padded batch -> per sequence (aux [T, 3H], final [T, H]) on the CPU, or with
+    ``to_host=False`` left on the device (the online states keep them there)."""
     longest = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), longest), dtype=torch.long)
@@ -100,7 +106,7 @@ def forward_states(
         mask[i, : len(s)] = 1
     model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
     aux, final = tap.take()
-    if device.type == "cuda":
+    if device.type == "cuda" and to_host:
         # one device-to-host copy per batch (not per sequence), into pinned memory: DMA at full
         # PCIe/NVLink speed instead of a staged pageable copy (GBs per batch for a large target)
         aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)

@@ -187,6 +187,9 @@ class StateServer:
         )
         self._thread.start()
         self._slots = asyncio.Semaphore(concurrency)
+        #: requests at the server now, and the most at once: a source that keeps the server
+        #: busy has more than one in flight (the online states' report)
+        self.in_flight = self.max_in_flight = 0
         self._client = httpx.AsyncClient(
             headers=auth_headers(self.server.api_key),
             timeout=httpx.Timeout(request_timeout_s, connect=30.0),
@@ -195,9 +198,14 @@ class StateServer:
 
     async def _one(self, sample_id: str, token_ids: list[int]) -> torch.Tensor:
         async with self._slots:
-            path = await _request(
-                self._client, self.server, sample_id, token_ids, self.file_timeout_s
-            )
+            self.in_flight += 1  # the event loop's thread only: no lock needed
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                path = await _request(
+                    self._client, self.server, sample_id, token_ids, self.file_timeout_s
+                )
+            finally:
+                self.in_flight -= 1
         return await asyncio.to_thread(read_hidden, path, sample_id, token_ids, self.pick)
 
     def submit(self, sample_id: str, token_ids: list[int]) -> Future[torch.Tensor]:

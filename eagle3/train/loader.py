@@ -98,10 +98,12 @@ class Loader:
         prefetch: bool = False,
         chunk: int = 1024,
         fetch: Callable[[list[int]], list[Sample]] | None = None,
+        make: Callable[[list[int]], Padded | Copied] | None = None,
     ) -> None:
-        """``sample(i)`` reads one sample, or ``fetch(idx)`` a batch of them (the online states
-        produce a batch at a time)."""
-        if fetch is None:
+        """``sample(i)`` reads one sample, ``fetch(idx)`` a batch of them, or ``make(idx)`` pads
+        the batch itself (the online states: produced and gathered on the device)."""
+        self.make = make
+        if fetch is None and make is None:
             assert sample is not None
             fetch = lambda idx: [sample(i) for i in idx]  # noqa: E731
         self.fetch, self.head, self.device = fetch, head, device
@@ -116,7 +118,13 @@ class Loader:
         self._arg: dict[int, torch.Tensor] = {}  # sample -> [n] int32 on the device
 
     def _host(self, idx: list[int]) -> Padded | Copied:
-        host = pad_samples(self.fetch(idx), self.max_seq_len, self.pin)
+        if self.make is not None:
+            made = self.make(idx)
+            if isinstance(made, Copied):
+                return made
+            host = made
+        else:
+            host = pad_samples(self.fetch(idx), self.max_seq_len, self.pin)
         if self._stream is None:
             return host
         with torch.cuda.stream(self._stream):

@@ -253,12 +253,7 @@ def set_up(
     if data is not None:
         data.remember_argmax(head)
     load_s = round(time.time() - t0, 2)
-    prefetch = prefetch_on(tc.prefetch, dev)
-    loader = (
-        Loader(None, head, dev, tc.max_seq_len, tc.loss_positions, prefetch, fetch=ds.fetch)
-        if data is None and impl == "fast"
-        else None
-    )
+    loader = make_loader(tc, ds, head, dev) if data is None and impl == "fast" else None
     extra = {
         "total_steps": total_steps,
         "global_batches": group,
@@ -288,6 +283,24 @@ def set_up(
         impl,
         data,
         loader,
+    )
+
+
+def make_loader(
+    tc: Any, ds: HiddenStateDataset | OnlineStates, head: TargetHead, dev: torch.device
+) -> Loader:
+    """The fast step's batches: read from the shards and padded, or (online) made by the
+    online states themselves (produced and gathered on the device)."""
+    online = isinstance(ds, OnlineStates)
+    return Loader(
+        None,
+        head,
+        dev,
+        tc.max_seq_len,
+        tc.loss_positions,
+        prefetch_on(tc.prefetch, dev),
+        fetch=None if online else ds.fetch,
+        make=ds.padded if online else None,
     )
 
 
@@ -321,6 +334,7 @@ def run_epochs(
     run.model.train()
     queue = StepQueue(state, run.total_steps, on_progress if d.main else None)
     while state.epoch < tc.epochs:
+        epoch_t0 = time.perf_counter()
         batches = epoch_batches(run.ds, tc.token_budget, tc.seed, state.epoch, tc.batching)
         while state.batch_in_epoch < len(batches):
             if max_steps is not None and state.step >= max_steps:
@@ -340,6 +354,9 @@ def run_epochs(
                 run.save(state)
         queue.settle()
         state.history.append(epoch_metrics(state))
+        state.history[-1]["s"] = round(time.perf_counter() - epoch_t0, 2)  # resumed: the rest
+        if isinstance(run.ds, OnlineStates):  # where this epoch's states came from
+            state.history[-1]["states"] = run.ds.take_epoch()
         state.epoch += 1
         state.batch_in_epoch = 0
         state.epoch_sums = {}

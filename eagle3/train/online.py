@@ -4,27 +4,33 @@ Why: stored states grow with the data (SmolLM2 4.6 KB a token, Kimi-K2.5 57 KB: 
 hero run), and data is the lever that still raises acceptance. With ``extract.states: online``
 extract keeps token ids and loss masks only (bytes a token); here :class:`OnlineStates` stands
 in for :class:`~eagle3.extract.storage.HiddenStateDataset` (same ``ids``, ``length``,
-``batches``, ``fetch``) and produces each batch's states when the trainer asks for them:
+``batches``, ``fetch``) and produces the states when the trainer asks for them.
 
-- ``hf``: the target loaded in this process (transformers, :mod:`eagle3.extract.hf_backend`'s
-  hooks), on the training device; on a GPU its forward runs on the loader thread's own stream,
-  so it overlaps the step on the compute stream.
-- ``vllm``: the target's vLLM extract server (:class:`~eagle3.extract.vllm_backend.StateServer`,
-  the extract backend's server and connector), started for the run; ``request`` sends the next
-  batches' samples while the current step trains (``train.online_prefetch`` batches ahead).
+Why it is not slower than offline (issue 38; measured in docs/benchmarks.md, "Online states"):
 
-Every state goes through the rounding of ``extract.storage_dtype`` (bf16, or fp8 with a scale per
-row), so a sample trains on the same values whether it was just computed, read from the cache,
-or (offline) read from a shard: online and offline runs give the same losses (tests). A bounded
-:class:`StateCache` keeps the first samples that fit in ``train.state_cache_gib`` for later
-epochs; the rest is recomputed each epoch. Nothing else is written, so the disk a run holds is
-the cache (plus the vLLM connector's per-request files, deleted once read).
+- **Batched and ahead.** The training loop ``request``\\ s the next ``train.online_prefetch``
+  batches; the in-process target (``hf``) computes every missing sample of that window in
+  ``extract.token_budget``-token forwards (as extract does, not one training batch at a time),
+  on a CUDA stream of its own on the loader thread, so it overlaps the draft's step instead of
+  queueing behind it, and its states never leave the GPU. The vLLM source (``vllm``: the target's
+  extract server, started for the run) gets the window's requests at once and keeps several in
+  flight (``extract.vllm_concurrency``).
+- **Reused at offline speed.** Every produced sample is kept, rounded to
+  ``extract.storage_dtype`` (bf16, or fp8 with a scale a row: half the bytes), in one flat
+  :class:`MemoryCache` on the training GPU when it fits there as offline states do (the same
+  share of free memory), else in (pinned) host memory; a batch whose samples are all there is one
+  gather, as offline's. What memory cannot hold goes to files on disk (:class:`StateCache`); the
+  rest is recomputed each epoch. ``train.state_cache_gib: auto`` keeps every state memory and disk
+  allow (:func:`cache_plan`), so a run whose states fit ("hybrid") reads only the cache after its
+  first epoch; ``0`` recomputes every epoch ("online").
+
+A sample trains on the same values whether it was just computed, read from memory or disk, or
+(offline) read from a shard: every state goes through the same rounding (tests compare the
+losses with the offline run's). A non-finite sample counts nothing and is recorded once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 import time
 from concurrent.futures import Future
@@ -33,94 +39,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from eagle3.atomic import atomic_path, write_json_atomic
 from eagle3.batching import token_budget_batches
-from eagle3.extract.storage import HiddenStateDataset, Sample, decode_states, encode_states
+from eagle3.extract.storage import HiddenStateDataset, Sample
 from eagle3.generate.storage import JsonlAppender
-
-
-def stored_form(aux: torch.Tensor, final: torch.Tensor, storage_dtype: str) -> dict[str, Any]:
-    """The tensors a shard (or the cache) keeps for one sample's states."""
-    return {
-        **encode_states("aux", aux, storage_dtype),
-        **encode_states("final", final, storage_dtype),
-    }
-
-
-def from_stored(
-    t: dict[str, torch.Tensor], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    fp8 = "aux_scale" in t
-    return (
-        decode_states(t.__getitem__, "aux", fp8, dtype),
-        decode_states(t.__getitem__, "final", fp8, dtype),
-    )
-
-
-class StateCache:
-    """At most ``budget_bytes`` of samples' stored states, one safetensors file each.
-
-    The first samples that fit stay (nothing is evicted: with a new order every epoch any policy
-    hits budget / total of the time, and this one writes each file once). Files are written under
-    a temporary name and renamed, so a killed run leaves whole files only; ``settings`` (the
-    extract settings the states depend on) is checked at open, and a cache made with others is
-    emptied."""
-
-    def __init__(self, root: Path, budget_bytes: int, settings: dict[str, Any]):
-        self.root, self.budget = Path(root), int(budget_bytes)
-        self.root.mkdir(parents=True, exist_ok=True)
-        marker = self.root / "cache.json"
-        same = marker.is_file() and json.loads(marker.read_text()) == settings
-        for f in self.root.iterdir():
-            if f.name.endswith(".tmp") or (not same and f.suffix == ".safetensors"):
-                f.unlink()
-        write_json_atomic(marker, settings)
-        self.sizes = {f.stem: f.stat().st_size for f in self.root.glob("*.safetensors")}
-        self.bytes = sum(self.sizes.values())
-        self.peak = self.bytes
-        self.hits = self.misses = 0
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _name(sample_id: str) -> str:
-        return hashlib.sha1(sample_id.encode()).hexdigest()
-
-    def get(self, sample_id: str) -> dict[str, torch.Tensor] | None:
-        name = self._name(sample_id)
-        with self._lock:
-            if name not in self.sizes:
-                self.misses += 1
-                return None
-            self.hits += 1
-        with safe_open(str(self.root / f"{name}.safetensors"), framework="pt") as h:
-            return {k: h.get_tensor(k) for k in h.keys()}
-
-    def put(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """Keep the sample if it fits the budget (header included); True if kept."""
-        name = self._name(sample_id)
-        need = sum(t.numel() * t.element_size() for t in tensors.values()) + 1024
-        with self._lock:
-            if name in self.sizes or self.bytes + need > self.budget:
-                return False
-            self.sizes[name] = need  # reserved: another thread may not take the same room
-            self.bytes += need
-        path = self.root / f"{name}.safetensors"
-        with atomic_path(path) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        size = path.stat().st_size
-        with self._lock:
-            self.bytes += size - self.sizes[name]
-            self.sizes[name] = size
-            self.peak = max(self.peak, self.bytes)
-        return True
-
-
-def disk_bytes(folder: Path) -> int:
-    """Bytes of every file under ``folder`` (what the run holds there now)."""
-    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+from eagle3.train.batch import Padded
+from eagle3.train.loader import Copied
+from eagle3.train.state_cache import (
+    CachePlan,
+    MemoryCache,
+    StateCache,
+    cache_plan,
+    from_stored,
+    state_bytes,
+    stored_form,
+)
 
 
 class HFProducer:
@@ -135,21 +68,22 @@ class HFProducer:
             model_path, device, pick_dtype(e.dtype, device), cfg.target.trust_remote_code
         )
         self.tap = LayerTap(self.model, list(cfg.aux_layers))
-        # the loader thread's forwards go on a stream of their own: they overlap the training
-        # step on the compute stream instead of queueing behind it
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def compute(
-        self, items: list[tuple[str, list[int]]]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def compute(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """(aux, final, finite) of each sequence, on the model's device (the current stream),
+        in ``extract.token_budget``-token forwards; one host sync per forward (the finite flags)."""
         from eagle3.extract.hf_backend import forward_states
 
-        out: list[Any] = [None] * len(items)
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            for b in token_budget_batches([len(t) for _, t in items], self.budget):
-                states = forward_states(self.model, self.tap, [items[i][1] for i in b], self.device)
-                for i, s in zip(b, states):
-                    out[i] = s
+        out: list[Any] = [None] * len(seqs)
+        for b in token_budget_batches([len(s) for s in seqs], self.budget):
+            states = forward_states(
+                self.model, self.tap, [seqs[i] for i in b], self.device, to_host=False
+            )
+            ok = torch.stack(
+                [torch.isfinite(a).all() & torch.isfinite(f).all() for a, f in states]
+            ).tolist()
+            for i, (a, f), good in zip(b, states, ok):
+                out[i] = (a, f, good)
         return out
 
     def close(self) -> None:
@@ -177,8 +111,9 @@ class VllmProducer:
     def submit(self, sample_id: str, token_ids: list[int]) -> Future:
         return self.server.submit(sample_id, token_ids)
 
-    def split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return hidden[:, : self.n_aux].flatten(1), hidden[:, self.n_aux]
+    def split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        aux, final = hidden[:, : self.n_aux].flatten(1), hidden[:, self.n_aux]
+        return aux, final, bool(torch.isfinite(hidden).all())
 
     def close(self) -> None:
         self.server.close()
@@ -199,30 +134,46 @@ def online_server_cfg(cfg: Any) -> Any:
 class OnlineStates:
     """The stored token ids and loss masks with states produced on demand (module docstring).
 
-    ``request(idx)`` asks for a batch's states ahead (vLLM: its requests go out now; a no-op for
-    the in-process target); ``fetch(idx)`` returns the batch's samples, from the cache or the
-    producer. ``fetch`` may run on the loader thread while ``request`` runs on the step's."""
+    The loop calls ``request(idx)`` for the batches ahead (on its thread); the loader calls
+    ``padded(idx)`` for a batch (on its thread, in batch order), which produces what is missing
+    and gathers the batch. ``fetch(idx)`` gives the samples themselves (the eager step)."""
 
     def __init__(
         self,
         tokens: HiddenStateDataset,
         producer: HFProducer | VllmProducer,
-        cache: StateCache,
+        memory: MemoryCache,
+        disk: StateCache,
+        plan: CachePlan,
         storage_dtype: str,
         dtype: torch.dtype,
+        device: torch.device,
+        max_seq_len: int,
         errors: Path,
     ):
-        self.tokens, self.producer, self.cache = tokens, producer, cache
-        self.storage_dtype, self.dtype = storage_dtype, dtype
+        self.tokens, self.producer, self.memory, self.disk = tokens, producer, memory, disk
+        self.plan, self.storage_dtype, self.dtype = plan, storage_dtype, dtype
+        self.device, self.max_seq_len = device, max_seq_len
         self.ids, self.root = tokens.ids, tokens.root
         self.has_states = True
         self.aux_width = None  # the producer's, by construction
-        self._inflight: dict[int, Future] = {}
+        # on a GPU the target's forwards and the batch's gather run on a stream of their own:
+        # they overlap the training step on the compute stream instead of queueing behind it
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the hf target merges the missing samples of every requested batch into its forwards
+        # on a GPU; on the CPU one batch's (the same forwards whatever ran before: resumes
+        # reproduce a run's states bit for bit)
+        self.merge = device.type == "cuda"
         self._lock = threading.Lock()
+        self._wanted: list[int] = []  # requested samples not produced yet, in order
+        self._inflight: dict[int, Future] = {}  # vllm: requests at the server
+        self._fresh: dict[int, dict[str, torch.Tensor]] = {}  # produced, not kept in memory
+        self._made: set[int] = set()  # produced, batch not gathered yet (counts as produced)
         self._errors_path = errors
-        self.produced = 0  # samples computed by the target
-        self.produce_s = 0.0  # time fetch waited for the target (the loader's, not the step's)
         self.nonfinite: set[str] = set()
+        self.counts = {"memory": 0, "disk": 0, "produced": 0}  # where each batch sample came from
+        self.epoch_counts: dict[str, int] = dict(self.counts)  # since the last take_epoch()
+        self.produce_s = 0.0  # time the loader waited for the target
 
     # the dataset interface the trainer uses
     def __len__(self) -> int:
@@ -237,92 +188,186 @@ class OnlineStates:
     def __getitem__(self, i: int) -> Sample:
         return self.fetch([i])[0]
 
+    def _held(self, i: int) -> bool:
+        return i in self.memory.start or i in self._fresh or self.disk.has(self.ids[i])
+
     def request(self, idx: list[int]) -> None:
-        """Start computing the samples ``idx`` that the cache does not hold (vLLM only)."""
-        if not isinstance(self.producer, VllmProducer):
-            return
-        for i in idx:
-            with self._lock:
-                if i in self._inflight or self.cache._name(self.ids[i]) in self.cache.sizes:
+        """Ask for the samples ``idx`` ahead (the next batches): the vLLM server gets their
+        requests now; the hf target computes them with the next batch it produces."""
+        with self._lock:
+            for i in idx:
+                if i in self._inflight or self._held(i) or i in self._wanted:
                     continue
-                s = self.tokens[i]
-                self._inflight[i] = self.producer.submit(s.id, s.input_ids.tolist())
+                if isinstance(self.producer, VllmProducer):
+                    self._inflight[i] = self.producer.submit(
+                        self.ids[i], self.tokens[i].input_ids.tolist()
+                    )
+                else:
+                    self._wanted.append(i)
 
-    def fetch(self, idx: list[int]) -> list[Sample]:
-        samples = [self.tokens[i] for i in idx]
-        states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        todo: list[int] = []
-        for j, s in enumerate(samples):
-            hit = self.cache.get(s.id)
-            if hit is not None:
-                states[j] = from_stored(hit, self.dtype)
-            else:
-                todo.append(j)
-        if todo:
-            t0 = time.perf_counter()
-            computed = self._compute([idx[j] for j in todo], [samples[j] for j in todo])
-            self.produce_s += time.perf_counter() - t0
-            self.produced += len(todo)
-            for j, (aux, final) in zip(todo, computed):
-                states[j] = self._keep(samples[j], aux, final)
-        for j, s in enumerate(samples):
-            s.aux, s.final = states[j]
-        return samples
-
-    def _compute(
-        self, idx: list[int], samples: list[Sample]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _produce(self, idx: list[int]) -> None:
+        """Make every sample of ``idx`` held (memory, disk or fresh)."""
+        missing = [i for i in idx if not self._held(i)]
+        if not missing:
+            return
+        t0 = time.perf_counter()
         if isinstance(self.producer, VllmProducer):
             with self._lock:
-                futures = [
-                    self._inflight.pop(i, None) or self.producer.submit(s.id, s.input_ids.tolist())
-                    for i, s in zip(idx, samples)
-                ]
-            return [self.producer.split(f.result()) for f in futures]
-        return self.producer.compute([(s.id, s.input_ids.tolist()) for s in samples])
+                futures = {
+                    i: self._inflight.pop(i, None)
+                    or self.producer.submit(self.ids[i], self.tokens[i].input_ids.tolist())
+                    for i in missing
+                }
+            for i, f in futures.items():
+                self._keep(i, *self.producer.split(f.result()))
+        else:
+            with self._lock:
+                if self.merge:  # and every other requested sample not held yet
+                    missing += [i for i in self._wanted if i not in missing and not self._held(i)]
+                self._wanted = [i for i in self._wanted if i not in set(missing)]
+            seqs = [self.tokens[i].input_ids.tolist() for i in missing]
+            for i, (aux, final, ok) in zip(missing, self.producer.compute(seqs)):
+                self._keep(i, aux, final, ok)
+        self.produce_s += time.perf_counter() - t0
 
-    def _keep(
-        self, s: Sample, aux: torch.Tensor, final: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Round to the storage dtype, cache if there is room; a non-finite sample counts
-        nothing (its loss mask cleared, its states zeroed) and is recorded once."""
-        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-            if s.id not in self.nonfinite:
-                self.nonfinite.add(s.id)
+    def _keep(self, i: int, aux: torch.Tensor, final: torch.Tensor, finite: bool) -> None:
+        """Round to the storage dtype and keep: memory if there is room, else disk if there is,
+        and until its batch is gathered in any case. A non-finite sample counts nothing (its
+        loss mask cleared, its states zeroed) and is recorded once."""
+        if not finite:
+            sid = self.ids[i]
+            if sid not in self.nonfinite:
+                self.nonfinite.add(sid)
                 out = JsonlAppender(self._errors_path)
                 out.append(
                     {
-                        "id": s.id,
+                        "id": sid,
                         "reason": "non-finite hidden states (NaN/inf): not trained on",
                         "time": time.time(),
                     }
                 )
                 out.close()
-            s.loss_mask = torch.zeros_like(s.loss_mask)
-            return torch.zeros_like(aux, dtype=self.dtype), torch.zeros_like(
-                final, dtype=self.dtype
-            )
-        stored = stored_form(aux.cpu(), final.cpu(), self.storage_dtype)
-        self.cache.put(s.id, stored)
-        return from_stored(stored, self.dtype)
+            aux, final = torch.zeros_like(aux), torch.zeros_like(final)
+            self._fresh[i] = stored_form(aux, final, self.storage_dtype)
+            self._made.add(i)
+            return
+        stored = stored_form(aux, final, self.storage_dtype)
+        self._made.add(i)
+        if self.memory.put(i, stored):
+            return
+        self.disk.put(self.ids[i], stored)
+        self._fresh[i] = stored
+
+    def _count(self, i: int, where: str) -> None:
+        """Count sample ``i`` of a batch: produced for it, or read from ``where``."""
+        if i in self._made:
+            self._made.discard(i)
+            where = "produced"
+        self.counts[where] += 1
+
+    def _stored(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample ``i``'s stored states for its batch, counting where they came from."""
+        if i in self._fresh:
+            self._count(i, "produced")
+            return self._fresh.pop(i)
+        if i in self.memory.start:
+            self._count(i, "memory")
+            return self.memory.get(i)
+        hit = self.disk.get(self.ids[i])
+        if hit is None:  # not requested ahead and not held: produce now
+            self._produce([i])
+            return self._stored(i)
+        self._count(i, "disk")
+        return hit
+
+    def _tokens(self, idx: list[int]) -> tuple[list[Sample], list[int]]:
+        samples = [self.tokens[i] for i in idx]
+        for s in samples:
+            if s.id in self.nonfinite:
+                s.loss_mask = torch.zeros_like(s.loss_mask)
+        return samples, [min(len(s), self.max_seq_len) for s in samples]
+
+    def padded(self, idx: list[int]) -> Padded | Copied:
+        """The batch ``idx`` zero-padded (ids, mask, aux, final, valid), the loader's source:
+        on a GPU already on the device (:class:`~eagle3.train.loader.Copied`, made on this
+        object's stream), else on the host. Samples all in memory are one gather per tensor."""
+        stream = self.stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self._produce(idx)
+            samples, lens = self._tokens(idx)
+            b, L = len(idx), max(lens)
+            pin = stream is not None
+            ids = torch.zeros(b, L, dtype=torch.int64, pin_memory=pin)
+            mask = torch.zeros(b, L, dtype=torch.bool, pin_memory=pin)
+            valid = torch.zeros(b, L, dtype=torch.bool, pin_memory=pin)
+            for j, (s, n) in enumerate(zip(samples, lens)):
+                ids[j, :n], mask[j, :n], valid[j, :n] = s.input_ids[:n], s.loss_mask[:n], True
+            dev = self.device
+            if all(i in self.memory.start for i in idx):
+                for i in idx:
+                    self._count(i, "memory")
+                aux, final = self.memory.gather(idx, lens, self.dtype)
+                aux = aux.to(dev, non_blocking=True)
+                final = final.to(dev, non_blocking=True)
+            else:
+                states = [from_stored(self._stored(i), self.dtype) for i in idx]
+                a0, f0 = states[0]
+                aux = torch.zeros(b, L, a0.shape[-1], dtype=self.dtype, device=dev)
+                final = torch.zeros(b, L, f0.shape[-1], dtype=self.dtype, device=dev)
+                for j, ((a, f), n) in enumerate(zip(states, lens)):
+                    aux[j, :n] = a[:n].to(dev, non_blocking=True)
+                    final[j, :n] = f[:n].to(dev, non_blocking=True)
+            if stream is None:
+                return Padded(ids, mask, aux, final, valid, lens)
+            host = (ids, mask, valid)
+            ids, mask, valid = (x.to(dev, non_blocking=True) for x in host)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return Copied((ids, mask, aux, final, valid), lens, ready)
+
+    def fetch(self, idx: list[int]) -> list[Sample]:
+        """The samples ``idx`` with their states (in ``dtype``, on the host)."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            self._produce(idx)
+            samples, _ = self._tokens(idx)
+            for i, s in zip(idx, samples):
+                aux, final = from_stored(self._stored(i), self.dtype)
+                s.aux, s.final = aux.cpu(), final.cpu()
+        return samples
+
+    def take_epoch(self) -> dict[str, Any]:
+        """Where the batch samples since the last call came from (the loop's epoch line):
+        ``cached`` is the share read from memory or disk instead of the target."""
+        got = {k: self.counts[k] - self.epoch_counts[k] for k in self.counts}
+        self.epoch_counts = dict(self.counts)
+        n = sum(got.values())
+        return {**got, "cached": round((got["memory"] + got["disk"]) / n, 4) if n else None}
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "cache_hits": self.cache.hits,
-            "cache_misses": self.cache.misses,
-            "cache_bytes": self.cache.bytes,
-            "cache_peak_bytes": self.cache.peak,
-            "cache_budget_bytes": self.cache.budget,
-            "produced": self.produced,
+        out: dict[str, Any] = {
+            "cache_plan": self.plan.as_dict(),
+            "memory_bytes": self.memory.bytes,
+            "memory_samples": len(self.memory.start),
+            "disk_bytes": self.disk.bytes,
+            "disk_peak_bytes": self.disk.peak,
+            "disk_samples": len(self.disk.sizes),
+            "from_memory": self.counts["memory"],
+            "from_disk": self.counts["disk"],
+            "produced": self.counts["produced"],
             "produce_s": round(self.produce_s, 2),
             "nonfinite": len(self.nonfinite),
         }
+        if isinstance(self.producer, VllmProducer):
+            out["max_requests_in_flight"] = self.producer.server.max_in_flight
+        return out
 
     def close(self) -> None:
         with self._lock:
             for f in self._inflight.values():
                 f.cancel()
             self._inflight.clear()
+        self._fresh.clear()
+        self._made.clear()
         self.producer.close()
 
 
@@ -348,37 +393,56 @@ def open_online(
     rank: int = 0,
     world: int = 1,
 ) -> OnlineStates:
-    """The run's online states: its producer (``extract.backend``) and its cache under
-    ``out_dir/state-cache``, keyed by the extract settings the states depend on. Under torchrun
-    each rank keeps its own cache of ``1/world`` of the budget (ranks see different samples)."""
+    """The run's online states: its producer (``extract.backend``), its memory cache and its
+    disk cache under ``out_dir/state-cache``, keyed by the extract settings the states depend
+    on. Under torchrun each rank keeps its own share of the budget (ranks see other samples)."""
     from eagle3.extract.runner import settings_key
 
-    e = cfg.extract
+    e, tc = cfg.extract, cfg.train
     if e.backend == "vllm" and world > 1:
         raise ValueError(
             "extract.states online with extract.backend vllm runs one training process for now "
             "(train.nproc_per_node 1, or grad_accum for the same global batch): several ranks "
             "would each start a server. Offline states, or the hf backend, train on any number."
         )
-    cache = StateCache(
-        out_dir / "state-cache" / (f"rank{rank}" if world > 1 else ""),
-        int(cfg.train.state_cache_gib * 1024**3 / world),
-        {"settings_key": settings_key(cfg), "storage_dtype": e.storage_dtype},
-    )
-    producer: HFProducer | VllmProducer = (
+    producer: HFProducer | VllmProducer = (  # first: the free GPU memory is what it leaves
         VllmProducer(cfg, str(target_dir), out_dir / "vllm-work")
         if e.backend == "vllm"
         else HFProducer(cfg, str(target_dir), device)
     )
-    return OnlineStates(tokens, producer, cache, e.storage_dtype, dtype, out_dir / "errors.jsonl")
+    hidden = cfg.target.hidden_size
+    aux_width = len(cfg.aux_layers) * hidden
+    total = state_bytes(
+        sum(tokens.length(i) for i in range(len(tokens))), aux_width, hidden, e.storage_dtype
+    )
+    root = out_dir / "state-cache" / (f"rank{rank}" if world > 1 else "")
+    plan = cache_plan(tc.state_cache_gib, tc.state_cache_memory_gib, total, device, root, world)
+    per_token = state_bytes(1, aux_width, hidden, e.storage_dtype)
+    memory = MemoryCache(
+        plan.memory // per_token,
+        aux_width,
+        hidden,
+        e.storage_dtype,
+        plan.memory_device,
+        pin=device.type == "cuda",
+    )
+    disk = StateCache(
+        root,
+        plan.disk,
+        {"settings_key": settings_key(cfg), "storage_dtype": e.storage_dtype},
+    )
+    return OnlineStates(
+        tokens,
+        producer,
+        memory,
+        disk,
+        plan,
+        e.storage_dtype,
+        dtype,
+        device,
+        tc.max_seq_len,
+        out_dir / "errors.jsonl",
+    )
 
 
-__all__ = [
-    "HFProducer",
-    "OnlineStates",
-    "StateCache",
-    "VllmProducer",
-    "disk_bytes",
-    "open_online",
-    "states_report",
-]
+__all__ = ["HFProducer", "OnlineStates", "VllmProducer", "open_online", "states_report"]
