@@ -528,6 +528,16 @@ def cmd_run(a) -> None:
             "tokens": m["final"]["tokens"] if m["final"] else None,
             "device": device,
             "loop_s": m.get("loop_s"),
+            # the extract this arm trained on (its own run's wall time, states or tokens only)
+            "extract_s": json.loads((full / "manifest.json").read_text())
+            .get("this_run", {})
+            .get("wall_s"),
+            "extract_bytes": sum(f.stat().st_size for f in full.glob("*.safetensors")),
+            # each epoch's seconds and (online) where its states came from
+            "epochs": [
+                {k_: e.get(k_) for k_ in ("s", "states")}
+                for e in json.loads((ed / "train" / "metrics.json").read_text())["epochs"]
+            ],
             "states": m.get("states"),
             "data_on_device": m.get("data_on_device"),
         }

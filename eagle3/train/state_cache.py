@@ -186,6 +186,10 @@ def disk_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
 
 
+def _size(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 / 100 else f"{n / 1024**2:.1f} MiB"
+
+
 def _host_available() -> int:
     """Available host memory (Linux MemAvailable), or 0 where it cannot be read."""
     try:
@@ -235,17 +239,17 @@ def cache_plan(
     ``DISK_MARGIN_MIN``). ``eagle3 plan`` prices the layouts by the same rule
     (eagle3/plan_rates.py holds the constants)."""
     budget = (total if setting == "auto" else min(total, int(float(setting) * 1024**3))) // world
-    why = [f"budget {budget / 1024**3:.2f} GiB of {total / 1024**3:.2f} GiB"]
+    why = [f"budget {_size(budget)} of {_size(total)}"]
     if memory_setting != "auto":
         mem_cap = int(float(memory_setting) * 1024**3) // world
         where = device if device.type == "cuda" else torch.device("cpu")
-        why.append(f"memory set to {mem_cap / 1024**3:.2f} GiB")
+        why.append(f"memory set to {_size(mem_cap)}")
     elif device.type == "cuda" and budget <= AUTO_SHARE * torch.cuda.mem_get_info(device)[0]:
         mem_cap, where = budget, device
         why.append(f"fits {AUTO_SHARE:.0%} of the GPU's free memory")
     else:
         mem_cap, where = int(HOST_SHARE * _host_available()), torch.device("cpu")
-        why.append(f"host memory: {HOST_SHARE:.0%} of available = {mem_cap / 1024**3:.2f} GiB")
+        why.append(f"host memory: {HOST_SHARE:.0%} of available = {_size(mem_cap)}")
     memory = min(budget, mem_cap)
     rest = budget - memory
     disk = 0
@@ -256,7 +260,7 @@ def cache_plan(
         usage = shutil.disk_usage(probe)
         room = max(0, int(usage.free - max(DISK_MARGIN_SHARE * usage.free, DISK_MARGIN_MIN)))
         disk = min(rest, room)
-        why.append(f"disk: {disk / 1024**3:.2f} GiB (free less margin {room / 1024**3:.2f} GiB)")
+        why.append(f"disk: {_size(disk)} (free less margin: {_size(room)})")
     return CachePlan(total, memory, where, disk, "; ".join(why))
 
 
