@@ -217,6 +217,11 @@ def check_input_folder(stage: str, inp: str, folder: Path) -> None:
             f"{stage}: its {inp} folder {folder} does not exist: run `eagle3 {inp}` first, or "
             f"name the folder with {option}"
         )
+    if not (folder / name).is_file() and folder.name == inp:  # a stage root: no `latest` yet
+        raise InputDataError(
+            f"{stage}: no finished {inp} run in {folder} (no `latest`): run `eagle3 {inp}` "
+            f"first (it resumes an unfinished run), or name a folder with {option}"
+        )
     if not (folder / name).is_file():
         raise InputDataError(
             f"{stage}: {folder} has no {name}: {inp} did not finish there (rerun `eagle3 {inp}` "

@@ -64,7 +64,7 @@ def test_two_generate_commands_on_one_folder_the_second_fails_at_once(vllm_serve
     on closed file'. Now the second fails within seconds naming the first; the first ends whole."""
     data = write_prompts(tmp_path / "p.jsonl", 24)
     out = tmp_path / "gen"
-    args = gen_args(out, data, "generate.max_tokens=24", "generate.concurrency=2")
+    args = gen_args(out, data, "generate.max_tokens=16", "generate.concurrency=4")
     args += ["--base-url", vllm_server.base_url]
     argv = [sys.executable, "-m", "eagle3.cli", *args]
     first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
