@@ -166,7 +166,10 @@ class StateServer:
         concurrency: int = 8,
         request_timeout_s: float = 600.0,
         file_timeout_s: float = 120.0,
+        attach: Server | None = None,
     ):
+        """``attach``: a server another process started with the same ``work_dir`` (the
+        training ranks of one online run share rank 0's): requests only, never stopped here."""
         if not layer_ids:
             raise ValueError("layer_ids is empty")
         captured = sorted(set(layer_ids))
@@ -174,13 +177,16 @@ class StateServer:
         self.file_timeout_s = file_timeout_s
         self.storage = Path(work_dir) / "vllm-hidden"
         self.storage.mkdir(parents=True, exist_ok=True)
-        release_gpus(cfg, "extract")  # a production unit would hold the GPUs this server needs
-        self.server = start_server(
-            extract_server_config(cfg, self.storage),
-            model,
-            log_dir=Path(work_dir) / "serve",
-            speculative_config=speculative_config(captured),
-        )
+        if attach is not None:
+            self.server = attach
+        else:
+            release_gpus(cfg, "extract")  # a production unit would hold the GPUs it needs
+            self.server = start_server(
+                extract_server_config(cfg, self.storage),
+                model,
+                log_dir=Path(work_dir) / "serve",
+                speculative_config=speculative_config(captured),
+            )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="eagle3-vllm-states", daemon=True

@@ -158,6 +158,8 @@ def _train(
             resumed_from = state.step
         loop_started = time.time()
         finished = run_epochs(run, state, out_dir, max_steps, on_progress)
+        if d.world > 1 and isinstance(ds, OnlineStates):
+            dist.barrier()  # rank 0 stops the shared vLLM server: every rank is done asking
     finally:
         if run is not None and run.loader is not None:
             run.loader.close()

@@ -13,8 +13,8 @@ Why it is not slower than offline (issue 38; measured in docs/benchmarks.md, "On
   ``extract.token_budget``-token forwards (as extract does, not one training batch at a time),
   on a CUDA stream of its own on the loader thread, so it overlaps the draft's step instead of
   queueing behind it, and its states never leave the GPU. The vLLM source (``vllm``: the target's
-  extract server, started for the run) gets the window's requests at once and keeps several in
-  flight (``extract.vllm_concurrency``).
+  extract server, started for the run by rank 0 and shared by every training rank) gets the
+  window's requests at once and keeps several in flight (``extract.vllm_concurrency`` a rank).
 - **Reused at offline speed.** Every produced sample is kept, rounded to
   ``extract.storage_dtype`` (bf16, or fp8 with a scale a row: half the bytes), in one flat
   :class:`MemoryCache` on the training GPU when it fits there as offline states do (the same
@@ -92,9 +92,10 @@ class HFProducer:
 
 
 class VllmProducer:
-    """The target's vLLM extract server (started here, stopped at ``close``)."""
+    """The target's vLLM extract server: started here and stopped at ``close``, or (``attach``)
+    rank 0's, shared by every training rank of the run (one server, N ranks)."""
 
-    def __init__(self, cfg: Any, model_path: str, work_dir: Path):
+    def __init__(self, cfg: Any, model_path: str, work_dir: Path, attach: Any = None):
         from eagle3.extract.vllm_backend import StateServer
 
         n, layers = cfg.target.num_hidden_layers, list(cfg.aux_layers)
@@ -105,6 +106,7 @@ class VllmProducer:
             [*layers, n],  # layer N: the final pre-norm state
             work_dir,
             concurrency=cfg.extract.vllm_concurrency,
+            attach=attach,
         )
         self.work_dir = Path(work_dir)
 
@@ -383,6 +385,36 @@ def states_report(extract: Any, loader: Any, ds: Any) -> dict[str, Any]:
     return out
 
 
+def shared_server(
+    cfg: Any, target_dir: Path, out_dir: Path, rank: int = 0, world: int = 1
+) -> VllmProducer:
+    """One vLLM extract server for every training rank: rank 0 starts it, the others attach
+    to it (its address and key go to them over the process group, never to a log) and send
+    their own requests; the connector writes every file in rank 0's folder, and the rank that
+    asked reads and deletes it (one node: the folder is local to all of them)."""
+    work = out_dir / "vllm-work"
+    if world == 1:
+        return VllmProducer(cfg, str(target_dir), work)
+    import torch.distributed as dist
+
+    producer, box = None, [None]
+    try:
+        if rank == 0:
+            producer = VllmProducer(cfg, str(target_dir), work / "rank0")
+            s = producer.server.server
+            box = [{"base_url": s.base_url, "model": s.model, "api_key": s.api_key}]
+    finally:  # a failed start still reaches the other ranks (as None) instead of hanging them
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise RuntimeError("rank 0 could not start the vLLM extract server (its log says why)")
+    if producer is not None:
+        return producer
+    from eagle3.serving.server import Server
+
+    attach = Server(box[0]["base_url"], box[0]["model"], "shared", False, api_key=box[0]["api_key"])
+    return VllmProducer(cfg, str(target_dir), work / f"rank{rank}", attach=attach)
+
+
 def open_online(
     cfg: Any,
     tokens: HiddenStateDataset,
@@ -399,14 +431,8 @@ def open_online(
     from eagle3.extract.runner import settings_key
 
     e, tc = cfg.extract, cfg.train
-    if e.backend == "vllm" and world > 1:
-        raise ValueError(
-            "extract.states online with extract.backend vllm runs one training process for now "
-            "(train.nproc_per_node 1, or grad_accum for the same global batch): several ranks "
-            "would each start a server. Offline states, or the hf backend, train on any number."
-        )
     producer: HFProducer | VllmProducer = (  # first: the free GPU memory is what it leaves
-        VllmProducer(cfg, str(target_dir), out_dir / "vllm-work")
+        shared_server(cfg, target_dir, out_dir, rank, world)
         if e.backend == "vllm"
         else HFProducer(cfg, str(target_dir), device)
     )
