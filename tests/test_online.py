@@ -376,3 +376,23 @@ def test_online_vllm_two_ranks_share_one_server(smol_vllm_extract, gen_dir, smol
     hidden = work / "rank0" / "vllm-hidden"
     assert not list(hidden.iterdir()), "per-request files are deleted once read"
     assert math.isfinite(man["final"]["loss"][0])
+
+
+def test_disk_tier_is_shared_by_the_ranks_of_a_node(tmp_path):
+    """Two ranks' disk caches in one folder: each writes at most its own budget, each reads the
+    other's files (a rank gets other batches every epoch), and only the owner tidies at open."""
+    from eagle3.train.state_cache import StateCache, stored_form
+
+    x = torch.randn(50, 16)
+    stored = stored_form(x, x[:, :4], "bfloat16")
+    one = sum(t.numel() * t.element_size() for t in stored.values()) + 1024
+    r0 = StateCache(tmp_path, one, {"k": 1}, owner=True, world=2)
+    (tmp_path / ".x.safetensors.123.tmp").write_bytes(b"torn")
+    r1 = StateCache(tmp_path, one, {"k": 1}, owner=False, world=2)
+    assert (tmp_path / ".x.safetensors.123.tmp").exists()  # not the owner: left alone
+    assert r0.put("a", stored) and not r0.put("b", stored)  # rank 0's budget: one sample
+    assert r1.has("a") and torch.equal(r1.get("a")["aux"], stored["aux"])
+    assert not r1.put("a", stored) and r1.put("b", stored)  # taken by rank 0; its own room
+    assert r0.has("b") and r0.get("b") is not None
+    again = StateCache(tmp_path, one, {"k": 1}, owner=True, world=2)  # a resumed run
+    assert again.bytes == (r0.bytes + r1.bytes) // 2 and not list(tmp_path.glob("*.tmp"))

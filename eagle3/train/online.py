@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from eagle3.batching import token_budget_batches
 from eagle3.extract.storage import HiddenStateDataset, Sample
 from eagle3.generate.storage import JsonlAppender
 from eagle3.train.batch import Padded
 from eagle3.train.loader import Copied
+from eagle3.train.producers import HFProducer, VllmProducer, shared_server
 from eagle3.train.state_cache import (
     CachePlan,
     MemoryCache,
@@ -54,83 +54,6 @@ from eagle3.train.state_cache import (
     state_bytes,
     stored_form,
 )
-
-
-class HFProducer:
-    """The target in this process: its base model with hooks at the auxiliary layers."""
-
-    def __init__(self, cfg: Any, model_path: str, device: torch.device):
-        from eagle3.extract.hf_backend import LayerTap, load_base_model, pick_dtype
-
-        e = cfg.extract
-        self.device, self.budget = device, e.token_budget
-        self.model = load_base_model(
-            model_path, device, pick_dtype(e.dtype, device), cfg.target.trust_remote_code
-        )
-        self.tap = LayerTap(self.model, list(cfg.aux_layers))
-
-    def compute(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-        """(aux, final, finite) of each sequence, on the model's device (the current stream),
-        in ``extract.token_budget``-token forwards; one host sync per forward (the finite flags)."""
-        from eagle3.extract.hf_backend import forward_states
-
-        out: list[Any] = [None] * len(seqs)
-        for b in token_budget_batches([len(s) for s in seqs], self.budget):
-            states = forward_states(
-                self.model, self.tap, [seqs[i] for i in b], self.device, to_host=False
-            )
-            ok = torch.stack(
-                [torch.isfinite(a).all() & torch.isfinite(f).all() for a, f in states]
-            ).tolist()
-            for i, (a, f), good in zip(b, states, ok):
-                out[i] = (a, f, good)
-        return out
-
-    def close(self) -> None:
-        self.tap.remove()
-        del self.model
-
-
-class VllmProducer:
-    """The target's vLLM extract server: started here and stopped at ``close``, or (``attach``)
-    rank 0's, shared by every training rank of the run (one server, N ranks)."""
-
-    def __init__(self, cfg: Any, model_path: str, work_dir: Path, attach: Any = None):
-        from eagle3.extract.vllm_backend import StateServer
-
-        n, layers = cfg.target.num_hidden_layers, list(cfg.aux_layers)
-        self.n_aux = len(layers)
-        self.server = StateServer(
-            online_server_cfg(cfg),
-            model_path,
-            [*layers, n],  # layer N: the final pre-norm state
-            work_dir,
-            concurrency=cfg.extract.vllm_concurrency,
-            attach=attach,
-        )
-        self.work_dir = Path(work_dir)
-
-    def submit(self, sample_id: str, token_ids: list[int]) -> Future:
-        return self.server.submit(sample_id, token_ids)
-
-    def split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        aux, final = hidden[:, : self.n_aux].flatten(1), hidden[:, self.n_aux]
-        return aux, final, bool(torch.isfinite(hidden).all())
-
-    def close(self) -> None:
-        self.server.close()
-
-
-def online_server_cfg(cfg: Any) -> Any:
-    """The profile with the online layout applied to serve: the extract server's GPUs
-    (``extract.online_server_gpus`` as CUDA_VISIBLE_DEVICES) and its share of their memory."""
-    e, s = cfg.extract, cfg.serve
-    update: dict[str, Any] = {}
-    if e.online_server_gpus is not None:
-        update["env"] = {**s.env, "CUDA_VISIBLE_DEVICES": e.online_server_gpus}
-    if e.online_gpu_memory_utilization is not None:
-        update["gpu_memory_utilization"] = e.online_gpu_memory_utilization
-    return cfg.model_copy(update={"serve": s.model_copy(update=update)}) if update else cfg
 
 
 class OnlineStates:
@@ -385,36 +308,6 @@ def states_report(extract: Any, loader: Any, ds: Any) -> dict[str, Any]:
     return out
 
 
-def shared_server(
-    cfg: Any, target_dir: Path, out_dir: Path, rank: int = 0, world: int = 1
-) -> VllmProducer:
-    """One vLLM extract server for every training rank: rank 0 starts it, the others attach
-    to it (its address and key go to them over the process group, never to a log) and send
-    their own requests; the connector writes every file in rank 0's folder, and the rank that
-    asked reads and deletes it (one node: the folder is local to all of them)."""
-    work = out_dir / "vllm-work"
-    if world == 1:
-        return VllmProducer(cfg, str(target_dir), work)
-    import torch.distributed as dist
-
-    producer, box = None, [None]
-    try:
-        if rank == 0:
-            producer = VllmProducer(cfg, str(target_dir), work / "rank0")
-            s = producer.server.server
-            box = [{"base_url": s.base_url, "model": s.model, "api_key": s.api_key}]
-    finally:  # a failed start still reaches the other ranks (as None) instead of hanging them
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
-        raise RuntimeError("rank 0 could not start the vLLM extract server (its log says why)")
-    if producer is not None:
-        return producer
-    from eagle3.serving.server import Server
-
-    attach = Server(box[0]["base_url"], box[0]["model"], "shared", False, api_key=box[0]["api_key"])
-    return VllmProducer(cfg, str(target_dir), work / f"rank{rank}", attach=attach)
-
-
 def open_online(
     cfg: Any,
     tokens: HiddenStateDataset,
@@ -427,7 +320,8 @@ def open_online(
 ) -> OnlineStates:
     """The run's online states: its producer (``extract.backend``), its memory cache and its
     disk cache under ``out_dir/state-cache``, keyed by the extract settings the states depend
-    on. Under torchrun each rank keeps its own share of the budget (ranks see other samples)."""
+    on. Under torchrun each rank keeps its share of the budget: memory of its own, the disk
+    folder shared (a rank gets other batches every epoch; any rank's file is a hit)."""
     from eagle3.extract.runner import settings_key
 
     e, tc = cfg.extract, cfg.train
@@ -441,7 +335,7 @@ def open_online(
     total = state_bytes(
         sum(tokens.length(i) for i in range(len(tokens))), aux_width, hidden, e.storage_dtype
     )
-    root = out_dir / "state-cache" / (f"rank{rank}" if world > 1 else "")
+    root = out_dir / "state-cache"
     plan = cache_plan(tc.state_cache_gib, tc.state_cache_memory_gib, total, device, root, world)
     per_token = state_bytes(1, aux_width, hidden, e.storage_dtype)
     memory = MemoryCache(
@@ -452,11 +346,16 @@ def open_online(
         plan.memory_device,
         pin=device.type == "cuda",
     )
-    disk = StateCache(
-        root,
-        plan.disk,
-        {"settings_key": settings_key(cfg), "storage_dtype": e.storage_dtype},
-    )
+    settings = {"settings_key": settings_key(cfg), "storage_dtype": e.storage_dtype}
+    if world > 1 and rank > 0:
+        import torch.distributed as dist
+
+        dist.barrier()  # rank 0 tidies the shared folder first (below)
+    disk = StateCache(root, plan.disk, settings, owner=rank == 0, world=world)
+    if world > 1 and rank == 0:
+        import torch.distributed as dist
+
+        dist.barrier()
     return OnlineStates(
         tokens,
         producer,
@@ -471,4 +370,4 @@ def open_online(
     )
 
 
-__all__ = ["HFProducer", "OnlineStates", "VllmProducer", "open_online", "states_report"]
+__all__ = ["OnlineStates", "open_online", "states_report"]

@@ -131,19 +131,32 @@ class StateCache:
     The first samples that fit stay. Files are written under a temporary name and renamed, so
     a killed run leaves whole files only (a resumed run reads them again); ``settings`` (the
     extract settings the states depend on) is checked at open, and a cache made with others is
-    emptied."""
+    emptied.
 
-    def __init__(self, root: Path, budget_bytes: int, settings: dict[str, Any]):
-        self.root, self.budget = Path(root), int(budget_bytes)
+    Shared by the training ranks of one node (``world`` > 1): each writes at most its budget,
+    any reads every rank's files (a sample rank 1 cached is a hit for rank 0 in a later epoch:
+    the ranks get other batches every epoch). Only the ``owner`` (rank 0) tidies at open; the
+    others open after it (a barrier in between, eagle3/train/online.py)."""
+
+    def __init__(
+        self,
+        root: Path,
+        budget_bytes: int,
+        settings: dict[str, Any],
+        owner: bool = True,
+        world: int = 1,
+    ):
+        self.root, self.budget, self.shared = Path(root), int(budget_bytes), world > 1
         self.root.mkdir(parents=True, exist_ok=True)
         marker = self.root / "cache.json"
-        same = marker.is_file() and json.loads(marker.read_text()) == settings
-        for f in self.root.iterdir():
-            if f.name.endswith(".tmp") or (not same and f.suffix == ".safetensors"):
-                f.unlink()
-        write_json_atomic(marker, settings)
+        if owner:
+            same = marker.is_file() and json.loads(marker.read_text()) == settings
+            for f in self.root.iterdir():
+                if f.name.endswith(".tmp") or (not same and f.suffix == ".safetensors"):
+                    f.unlink()
+            write_json_atomic(marker, settings)
         self.sizes = {f.stem: f.stat().st_size for f in self.root.glob("*.safetensors")}
-        self.bytes = sum(self.sizes.values())
+        self.bytes = sum(self.sizes.values()) // world  # a resumed run's files: a share each
         self.peak = self.bytes
         self._lock = threading.Lock()
 
@@ -151,14 +164,18 @@ class StateCache:
     def _name(sample_id: str) -> str:
         return hashlib.sha1(sample_id.encode()).hexdigest()
 
+    def _path(self, name: str) -> Path:
+        return self.root / f"{name}.safetensors"
+
     def has(self, sample_id: str) -> bool:
-        return self._name(sample_id) in self.sizes
+        name = self._name(sample_id)
+        return name in self.sizes or (self.shared and self._path(name).is_file())
 
     def get(self, sample_id: str) -> dict[str, torch.Tensor] | None:
         name = self._name(sample_id)
-        if name not in self.sizes:
+        if name not in self.sizes and not (self.shared and self._path(name).is_file()):
             return None
-        with safe_open(str(self.root / f"{name}.safetensors"), framework="pt") as h:
+        with safe_open(str(self._path(name)), framework="pt") as h:
             return {k: h.get_tensor(k) for k in h.keys()}
 
     def put(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> bool:
@@ -166,11 +183,12 @@ class StateCache:
         name = self._name(sample_id)
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + 1024
         with self._lock:
-            if name in self.sizes or self.bytes + need > self.budget:
+            taken = name in self.sizes or (self.shared and self._path(name).is_file())
+            if taken or self.bytes + need > self.budget:
                 return False
             self.sizes[name] = need  # reserved: another thread may not take the same room
             self.bytes += need
-        path = self.root / f"{name}.safetensors"
+        path = self._path(name)
         with atomic_path(path) as tmp:
             save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
         size = path.stat().st_size
@@ -234,7 +252,8 @@ def cache_plan(
     The budget is ``setting`` GiB (``auto``: every state), a rank's ``1/world`` of it. Memory
     first: the training GPU when the budget takes at most ``AUTO_SHARE`` of its free memory
     (the rule that puts offline states there), else host memory, at most ``HOST_SHARE`` of what
-    is available (``memory_setting`` GiB instead of either when set). Disk takes the rest, never
+    is available, shared by the node's ranks (``memory_setting`` GiB instead of either when
+    set). Disk takes the rest (``world`` ranks write into one folder, each its share), never
     more than the free space less a margin (``DISK_MARGIN_SHARE`` of it, at least
     ``DISK_MARGIN_MIN``). ``eagle3 plan`` prices the layouts by the same rule
     (eagle3/plan_rates.py holds the constants)."""
@@ -248,7 +267,7 @@ def cache_plan(
         mem_cap, where = budget, device
         why.append(f"fits {AUTO_SHARE:.0%} of the GPU's free memory")
     else:
-        mem_cap, where = int(HOST_SHARE * _host_available()), torch.device("cpu")
+        mem_cap, where = int(HOST_SHARE * _host_available()) // world, torch.device("cpu")
         why.append(f"host memory: {HOST_SHARE:.0%} of available = {_size(mem_cap)}")
     memory = min(budget, mem_cap)
     rest = budget - memory
