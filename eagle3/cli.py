@@ -97,7 +97,7 @@ def serve(
     from eagle3.serving.server import start_server
 
     cfg = load_profile(config, set_)
-    check_target_available(cfg)  # a hub id with no network: at once (issue #39)
+    check_target_available(cfg, for_server=True)  # a hub id with no network: at once (issue #39)
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
         typer.echo(f"starting {cfg.serve.backend} server for {model} ...")

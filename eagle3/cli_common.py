@@ -65,7 +65,9 @@ def served(cfg: PipelineConfig, base_url: str | None):
 
     from eagle3.input_checks import check_target_available
 
-    check_target_available(cfg)  # a hub id with no network: at once, not after 50 s of retries
+    check_target_available(
+        cfg, for_server=True
+    )  # a hub id with no network: at once, not after 50 s of retries
 
     @contextlib.contextmanager
     def started():

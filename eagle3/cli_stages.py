@@ -56,7 +56,7 @@ def generate(
     check_output_dir(out)
     check_dataset(cfg)
     if not base_url:
-        check_target_available(cfg)
+        check_target_available(cfg, for_server=True)
     try:
         # one writer per folder: taken before the server starts, held through run_stage
         with writer_lock(out, "generate"), served(cfg, base_url) as urls:

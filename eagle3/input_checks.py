@@ -81,12 +81,13 @@ def check_dataset(cfg: PipelineConfig) -> None:
     )
 
 
-def check_target_available(cfg: PipelineConfig) -> None:
+def check_target_available(cfg: PipelineConfig, for_server: bool = False) -> None:
     """A target that is not embedded must be a local folder with a config.json, or a hub id that
     is in the local Hugging Face cache or can be downloaded. Fails at once otherwise: vLLM
-    retried for 50 s and the command then exited 0."""
+    retried for 50 s and the command then exited 0. ``for_server``: only a server will read it;
+    a systemd unit's or an external server has its own cache and network: not checked here."""
     model = cfg.target.model
-    if cfg.target.is_embedded:
+    if cfg.target.is_embedded or (for_server and cfg.serve.backend != "process"):
         return
     path = Path(model).expanduser()
     if path.is_dir():

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3 import PROJECT_ROOT, stages
 from eagle3.config import ConfigError, PipelineConfig, load_config
 from eagle3.generate.status import generate_status
+from eagle3.input_checks import check_target_available
 from eagle3.serving.gpus import units_restored
 from flows.hero_report import ngram_summary as ngram_summary  # re-exported
 from flows.hero_report import print_summary, write_report
@@ -163,10 +164,13 @@ def hero_run(params: HeroRunParams = DEFAULT_PARAMS) -> dict[str, Any]:
     """Run the selected stages of a profile; cached stages are reused, not recomputed."""
     started = time.monotonic()
     cfg = load_params(params)
+    check_target_available(
+        cfg, for_server=True
+    )  # a hub id with no network: at once, not after 50 s (#39)
+    logger = get_run_logger()
+    # one run per profile: a second one (the nightly, a click in the UI) waits, saying for whom;
     # systemd + serve.stop_running_unit: a unit that ran before the run runs after it
     # (eagle3.serving.gpus)
-    logger = get_run_logger()
-    # one run per profile: a second one (the nightly, a click in the UI) waits, saying for whom
     with one_run_per_profile(cfg, log=logger.warning), units_restored(cfg, log=logger.info):
         return _stages(cfg, params, started)
 
