@@ -38,9 +38,11 @@ def non_retriable() -> tuple[type[BaseException], ...]:
         InputDataError,
         MissingSamples,
         NoResult,
+        OutputDirError,
         TokenIdMismatch,
     )
     from eagle3.extract.runner import TokenizerMismatch
+    from eagle3.input_checks import TargetUnavailable
     from eagle3.serving.gpus import GPUsBusy
     from eagle3.train import TrainingDiverged
 
@@ -60,6 +62,8 @@ def non_retriable() -> tuple[type[BaseException], ...]:
         NoResult,
         TokenIdMismatch,
         CorruptArtifact,
+        OutputDirError,  # FolderBusy is retried: the other writer may have finished
+        TargetUnavailable,
     ]
     try:
         from eagle3.verify import GateFailed
