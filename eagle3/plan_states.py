@@ -303,8 +303,8 @@ def _details(cfg: PipelineConfig, target_conf: dict[str, Any] | None, trainable:
         )
         if tc.nproc_per_node > 1:
             online["note"] = (
-                "online + vllm trains in one process today (several ranks would each start a "
-                "server): train.nproc_per_node 1 with train.grad_accum for the same global batch"
+                f"one server for the {tc.nproc_per_node} ranks: rank 0 starts it, the others "
+                "attach; each rank asks for its own batches ahead of its step"
             )
     else:
         online["gpus"] = "the target (its weights and a forward) shares the training GPU"

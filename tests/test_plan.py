@@ -171,10 +171,13 @@ def test_preflight_of_the_kimi_profile_here_names_every_blocker(fake_systemd, tm
     )
     assert status[("target", "target moonshotai/Kimi-K2.5")] == "warn"  # vLLM downloads it at serve
     disk = next(c for c in checks.values() if c.name == "disk")
+    # the profile is hybrid (extract.states online, state_cache_gib auto): the tokens (747 MiB),
+    # not the 4,648 GiB offline would store, and the cache takes what the disk has free
     assert (
-        "extract stores at most 4648 GiB (10000 samples at full length, bfloat16, states offline)"
-        in disk.detail
+        "extract stores at most 747 MiB (10000 samples at full length, bfloat16, states hybrid: "
+        "tokens + a cache of what the disk has free less the margin (auto))" in disk.detail
     )
+    assert disk.status == "ok"
     assert "systemctl start" not in (fake_systemd / "calls.log").read_text()  # nothing started
 
 
@@ -207,13 +210,13 @@ def test_kimi_plan_shows_the_state_layouts_and_preflight_sizes_the_chosen_one():
 
     r = runner.invoke(app, ["plan", "--config", str(KIMI_PROFILE), "--json"])
     states = json.loads(r.output)["stages"]["extract"][STATES_KEY]
-    assert states["profile"].startswith("offline (extract.states offline")
+    assert states["profile"].startswith("hybrid (extract.states online")
     assert states["layouts"]["offline"].startswith("disk 4,648.4 GiB of states")
     assert states["layouts"]["online"].startswith("disk 0.7 GiB (tokens)")
     on = states["online"]
     assert "tensor parallel 8" in on["gpus"] and "same GPUs" in on["gpus"]
-    assert "GFLOP a token" in on["cost"] and "one process" in on["note"]
-    off = extract_bytes_upper_bound(load_config(KIMI_PROFILE))
+    assert "GFLOP a token" in on["cost"] and "one server for the 8 ranks" in on["note"]
+    off = extract_bytes_upper_bound(load_config(KIMI_PROFILE, ["extract.states=offline"]))
     online = extract_bytes_upper_bound(
         load_config(KIMI_PROFILE, ["extract.states=online", "train.state_cache_gib=2"])
     )

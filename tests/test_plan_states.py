@@ -33,8 +33,9 @@ def _states(cfg):
 
 def test_kimi_three_layouts_and_the_pick(tmp_path):
     """The hero profile's estimates (plan: section): 4.6 TB offline exceeds the assumed 3,500 GiB
-    disk, so the plan picks hybrid with the cache the node holds, and warns that the profile says
-    offline. vLLM target: online/hybrid epochs overlap target and train (max, not sum)."""
+    disk, so the plan picks hybrid with the cache the node holds, as the profile says (a profile
+    set to offline is warned). vLLM target: online/hybrid epochs overlap target and train (max,
+    not sum)."""
     cfg = _kimi(tmp_path)
     s = _states(cfg)
     lay = s["layouts"]
@@ -50,7 +51,9 @@ def test_kimi_three_layouts_and_the_pick(tmp_path):
     assert "78.8% of the states cached" in lay["hybrid (auto)"]
     assert "total 16.6 h (overlapped; 20.2 h if not)" in lay["hybrid (auto)"]
     assert s["pick"].startswith("hybrid: offline's 4,648.4 GiB exceed the node's 3,150.0 GiB")
-    assert "the profile asks for offline" in s["warning"] and "picks hybrid" in s["warning"]
+    assert "warning" not in s and s["profile"].startswith("hybrid (extract.states online")
+    w = _states(_kimi(tmp_path, "extract.states=offline"))["warning"]
+    assert "the profile asks for offline" in w and "picks hybrid" in w
     assert "estimate: plan.target_tokens_per_s" in s["basis"]["target"]
 
     # the formulas, in numbers
@@ -76,7 +79,7 @@ def test_in_process_target_adds_target_and_train(tmp_path):
 def test_offline_is_picked_where_its_disk_fits(tmp_path):
     """A node with 10,000 GiB holds the 4,648 GiB store: offline, no warning for an offline
     profile; a profile that asks for online is told the plan picks offline."""
-    s = _states(_kimi(tmp_path, "plan.node_disk_gib=10000"))
+    s = _states(_kimi(tmp_path, "plan.node_disk_gib=10000", "extract.states=offline"))
     assert s["pick"].startswith("offline: its 4,648.4 GiB of states fit the node's 9,000.0 GiB")
     assert "warning" not in s
     small = [
@@ -180,7 +183,7 @@ def test_measured_rates_win_over_the_estimates(tmp_path):
         "train_config": {"epochs": 2},
     }
     _fake_run(tmp_path, "kimi-k25-hero", extract, train)
-    s = _states(_kimi(tmp_path))
+    s = _states(_kimi(tmp_path, "extract.states=offline"))
     b = s["basis"]
     assert b["target"].startswith("40,000 tokens/s (measured: ")
     assert b["train"].startswith("10,000 tokens/s (measured: ")  # 2 M x 2 epochs / 400 s
