@@ -161,10 +161,7 @@ def _train(
         if d.world > 1 and isinstance(ds, OnlineStates):
             dist.barrier()  # rank 0 stops the shared vLLM server: every rank is done asking
     finally:
-        if run is not None and run.loader is not None:
-            run.loader.close()
-        if isinstance(ds, OnlineStates):
-            ds.close()  # the vLLM server it started stops here, on an error too
+        close_data(run, ds)
     if not finished:
         run.save(state)
         if d.world > 1:
@@ -209,6 +206,15 @@ def _train(
     if d.world > 1:
         dist.barrier()  # the export and manifest exist when any rank returns
     return manifest
+
+
+def close_data(run: Run | None, ds: HiddenStateDataset | OnlineStates) -> None:
+    """Stop the loader thread and, online, the states' producer (a vLLM server it started
+    stops here, on an error too)."""
+    if run is not None and run.loader is not None:
+        run.loader.close()
+    if isinstance(ds, OnlineStates):
+        ds.close()
 
 
 def set_up(
