@@ -126,14 +126,42 @@ def test_hybrid_within_a_memory_budget(offline, online_extract, smol_model, tmp_
 
 def test_hybrid_auto_computes_each_state_once(offline, online_extract, smol_model, tmp_path):
     """``state_cache_gib: auto`` (the default) when every state fits memory: the target runs
-    once per sample; every epoch after the first reads only the cache, and trains on the offline
-    run's values."""
-    man = train_online(offline, online_extract, smol_model, tmp_path / "train", "train.epochs=3")
+    once per sample and the epoch after the first reads only the cache. With the loader's thread
+    (``train.prefetch: on``, the GPU default) the target runs on a producer thread of its own,
+    ahead of the loader; the run still trains on the offline run's values."""
+    man = train_online(offline, online_extract, smol_model, tmp_path / "train", "train.prefetch=on")
+    assert_losses_close(offline / "train", tmp_path / "train", 4e-6)
     st = man["states"]
-    assert st["cache_plan"]["memory_bytes"] == st["cache_plan"]["total_bytes"] == st["memory_bytes"]
-    assert st["produced"] == N and st["from_memory"] == 2 * N and st["from_disk"] == 0
-    assert [e["states"]["cached"] for e in epochs(tmp_path / "train")] == [0.0, 1.0, 1.0]
+    assert st["producer_thread"] is True
+    plan = st["cache_plan"]
+    assert plan["memory_bytes"] == plan["total_bytes"] == st["memory_bytes"] > 0
+    assert st["produced"] == N and st["from_memory"] == N and st["from_disk"] == 0
+    assert [e["states"]["cached"] for e in epochs(tmp_path / "train")] == [0.0, 1.0]
     assert not list((tmp_path / "train" / "state-cache").glob("*.safetensors"))
+
+
+def test_producer_thread_failure_reaches_the_batch(online_extract, smol_model, tmp_path):
+    """A target that fails on the producer thread fails the batch that needed it, with the
+    cause, instead of hanging the loader."""
+    from eagle3.extract.storage import HiddenStateDataset
+    from eagle3.train.online import open_online
+
+    cfg = gen_cfg(tmp_path, *BASE, "extract.states=online", "train.prefetch=on")
+    tokens = HiddenStateDataset(online_extract, torch.float32)
+    ds = open_online(cfg, tokens, smol_model, tmp_path, torch.device("cpu"), torch.float32)
+    try:
+        assert ds.thread is not None
+
+        def broken(seqs):
+            raise OSError("target weights unreadable")
+
+        ds.producer.compute = broken
+        ds.request([0, 1])
+        with pytest.raises(RuntimeError, match="the target failed") as e:
+            ds.padded([0, 1])
+        assert isinstance(e.value.__cause__, OSError)
+    finally:
+        ds.close()
 
 
 def test_disk_tier_and_pure_online(offline, online_extract, smol_model, tmp_path):

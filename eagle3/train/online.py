@@ -43,8 +43,8 @@ import torch
 from eagle3.extract.storage import HiddenStateDataset, Sample
 from eagle3.generate.storage import JsonlAppender
 from eagle3.train.batch import Padded
-from eagle3.train.loader import Copied
-from eagle3.train.producers import HFProducer, VllmProducer, shared_server
+from eagle3.train.loader import Copied, prefetch_on
+from eagle3.train.producers import HFProducer, Job, ProducerThread, VllmProducer, shared_server
 from eagle3.train.state_cache import (
     CachePlan,
     MemoryCache,
@@ -75,7 +75,10 @@ class OnlineStates:
         device: torch.device,
         max_seq_len: int,
         errors: Path,
+        threaded: bool = False,
     ):
+        """``threaded``: the hf target runs on a :class:`ProducerThread` of its own (with the
+        loader's thread, ``train.prefetch``); else the loader computes what a batch lacks."""
         self.tokens, self.producer, self.memory, self.disk = tokens, producer, memory, disk
         self.plan, self.storage_dtype, self.dtype = plan, storage_dtype, dtype
         self.device, self.max_seq_len = device, max_seq_len
@@ -98,7 +101,13 @@ class OnlineStates:
         self.nonfinite: set[str] = set()
         self.counts = {"memory": 0, "disk": 0, "produced": 0}  # where each batch sample came from
         self.epoch_counts: dict[str, int] = dict(self.counts)  # since the last take_epoch()
-        self.produce_s = 0.0  # time the loader waited for the target
+        self.produce_s = 0.0  # the target's time on the loader's thread
+        self.thread = (
+            ProducerThread(self._compute_keep, producer.budget, device)
+            if threaded and isinstance(producer, HFProducer)
+            else None
+        )
+        self._jobs: dict[int, Job] = {}  # sample -> the producer thread's job computing it
 
     # the dataset interface the trainer uses
     def __len__(self) -> int:
@@ -118,20 +127,39 @@ class OnlineStates:
 
     def request(self, idx: list[int]) -> None:
         """Ask for the samples ``idx`` ahead (the next batches): the vLLM server gets their
-        requests now; the hf target computes them with the next batch it produces."""
+        requests now; the hf target's thread gets them as one job, or (no thread) computes them
+        with the next batch the loader produces."""
         with self._lock:
-            for i in idx:
-                if i in self._inflight or self._held(i) or i in self._wanted:
-                    continue
+            new = [
+                i
+                for i in dict.fromkeys(idx)
+                if not (i in self._inflight or i in self._jobs or i in self._wanted)
+                and not self._held(i)
+            ]
+            for i in new:
                 if isinstance(self.producer, VllmProducer):
                     self._inflight[i] = self.producer.submit(
                         self.ids[i], self.tokens[i].input_ids.tolist()
                     )
-                else:
+                elif self.thread is None:
                     self._wanted.append(i)
+            if new and self.thread is not None:
+                job = self.thread.submit(new, sum(self.tokens.length(i) for i in new))
+                self._jobs.update(dict.fromkeys(new, job))
+
+    def _compute_keep(self, idx: list[int]) -> None:
+        """The hf target's states of ``idx`` (on the current stream), kept."""
+        seqs = [self.tokens[i].input_ids.tolist() for i in idx]
+        for i, (aux, final, ok) in zip(idx, self.producer.compute(seqs)):
+            self._keep(i, aux, final, ok)
 
     def _produce(self, idx: list[int]) -> None:
-        """Make every sample of ``idx`` held (memory, disk or fresh)."""
+        """Make every sample of ``idx`` held (memory, disk or fresh): wait for the producer
+        thread's jobs that compute them, compute the rest here."""
+        with self._lock:
+            jobs = {id(j): j for i in idx if (j := self._jobs.pop(i, None)) is not None}
+        for job in jobs.values():
+            self.thread.wait(job, self.stream)
         missing = [i for i in idx if not self._held(i)]
         if not missing:
             return
@@ -150,9 +178,7 @@ class OnlineStates:
                 if self.merge:  # and every other requested sample not held yet
                     missing += [i for i in self._wanted if i not in missing and not self._held(i)]
                 self._wanted = [i for i in self._wanted if i not in set(missing)]
-            seqs = [self.tokens[i].input_ids.tolist() for i in missing]
-            for i, (aux, final, ok) in zip(missing, self.producer.compute(seqs)):
-                self._keep(i, aux, final, ok)
+            self._compute_keep(missing)
         self.produce_s += time.perf_counter() - t0
 
     def _keep(self, i: int, aux: torch.Tensor, final: torch.Tensor, finite: bool) -> None:
@@ -194,7 +220,11 @@ class OnlineStates:
         """Sample ``i``'s stored states for its batch, counting where they came from."""
         if i in self._fresh:
             self._count(i, "produced")
-            return self._fresh.pop(i)
+            stored = self._fresh.pop(i)
+            if self.stream is not None:  # made on the producer's stream, read on this one
+                for t in stored.values():
+                    t.record_stream(self.stream)
+            return stored
         if i in self.memory.start:
             self._count(i, "memory")
             return self.memory.get(i)
@@ -279,7 +309,8 @@ class OnlineStates:
             "from_memory": self.counts["memory"],
             "from_disk": self.counts["disk"],
             "produced": self.counts["produced"],
-            "produce_s": round(self.produce_s, 2),
+            "produce_s": round(self.produce_s + (self.thread.busy_s if self.thread else 0), 2),
+            "producer_thread": self.thread is not None,
             "nonfinite": len(self.nonfinite),
         }
         if isinstance(self.producer, VllmProducer):
@@ -287,10 +318,13 @@ class OnlineStates:
         return out
 
     def close(self) -> None:
+        if self.thread is not None:
+            self.thread.close()
         with self._lock:
             for f in self._inflight.values():
                 f.cancel()
             self._inflight.clear()
+            self._jobs.clear()
         self._fresh.clear()
         self._made.clear()
         self.producer.close()
@@ -367,6 +401,7 @@ def open_online(
         device,
         tc.max_seq_len,
         out_dir / "errors.jsonl",
+        threaded=prefetch_on(tc.prefetch, device),
     )
 
 

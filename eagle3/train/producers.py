@@ -4,7 +4,13 @@ the training process (:class:`HFProducer`, transformers) or its vLLM extract ser
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,7 @@ class HFProducer:
             model_path, device, pick_dtype(e.dtype, device), cfg.target.trust_remote_code
         )
         self.tap = LayerTap(self.model, list(cfg.aux_layers))
+        self._lock = threading.Lock()  # one forward at a time: the tap's buffers are shared
 
     def compute(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
         """(aux, final, finite) of each sequence, on the model's device (the current stream),
@@ -33,9 +40,10 @@ class HFProducer:
 
         out: list[Any] = [None] * len(seqs)
         for b in token_budget_batches([len(s) for s in seqs], self.budget):
-            states = forward_states(
-                self.model, self.tap, [seqs[i] for i in b], self.device, to_host=False
-            )
+            with self._lock:
+                states = forward_states(
+                    self.model, self.tap, [seqs[i] for i in b], self.device, to_host=False
+                )
             ok = torch.stack(
                 [torch.isfinite(a).all() & torch.isfinite(f).all() for a, f in states]
             ).tolist()
@@ -46,6 +54,88 @@ class HFProducer:
     def close(self) -> None:
         self.tap.remove()
         del self.model
+
+
+@dataclass
+class Job:
+    """Samples the producer thread computes and keeps; ``done`` once kept (or failed)."""
+
+    idx: list[int]
+    tokens: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    event: Any = None  # a torch.cuda.Event recorded on the producer's stream after the keep
+
+
+class ProducerThread:
+    """The in-process target on a thread and a CUDA stream of its own, running ahead of the
+    loader: the loop's ``request`` queues a job of the batches ahead, this thread computes and
+    keeps it (``compute_keep``) while the loader pads earlier batches and the step trains, so a
+    burst of production never holds up the padding of a batch already held. Jobs queued
+    together are merged up to ``budget`` tokens (extract's forward size)."""
+
+    def __init__(
+        self, compute_keep: Callable[[list[int]], None], budget: int, device: torch.device
+    ):
+        self.compute_keep, self.budget = compute_keep, budget
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.busy_s = 0.0  # the target's time on this thread
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="eagle3-target", daemon=True)
+        self._thread.start()
+
+    def submit(self, idx: list[int], tokens: int) -> Job:
+        job = Job(list(idx), tokens)
+        self._queue.put(job)
+        return job
+
+    def _next_jobs(self, first: Job) -> list[Job]:
+        jobs, tokens = [first], first.tokens
+        while tokens < self.budget:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:  # close() asked: stop after this group
+                self._queue.put(None)
+                break
+            jobs.append(job)
+            tokens += job.tokens
+        return jobs
+
+    def _work(self) -> None:
+        while (first := self._queue.get()) is not None:
+            jobs = self._next_jobs(first)
+            t0 = time.perf_counter()
+            try:
+                with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+                    self.compute_keep([i for j in jobs for i in j.idx])
+                    event = None
+                    if self.stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+                for j in jobs:
+                    j.event = event
+            except BaseException as e:  # noqa: BLE001 - handed to the loader, raised there
+                for j in jobs:
+                    j.error = e
+            finally:
+                self.busy_s += time.perf_counter() - t0
+                for j in jobs:
+                    j.done.set()
+
+    def wait(self, job: Job, stream: Any) -> None:
+        """Block until ``job`` is kept; the caller's CUDA ``stream`` waits for its copies (on
+        the device: the host does not block on them)."""
+        job.done.wait()
+        if job.error is not None:
+            raise RuntimeError(f"the target failed on samples {job.idx[:5]}...") from job.error
+        if job.event is not None and stream is not None:
+            stream.wait_event(job.event)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
 
 
 class VllmProducer:
@@ -120,4 +210,11 @@ def shared_server(
     return VllmProducer(cfg, str(target_dir), work / f"rank{rank}", attach=attach)
 
 
-__all__ = ["HFProducer", "VllmProducer", "online_server_cfg", "shared_server"]
+__all__ = [
+    "HFProducer",
+    "Job",
+    "ProducerThread",
+    "VllmProducer",
+    "online_server_cfg",
+    "shared_server",
+]
