@@ -156,16 +156,23 @@ def extract(
     generate_dir = generate_dir or cfg.paths.stage_dir("generate")
     try:
         model = resolve_model(cfg.target.model, cfg.paths.cache_dir)
-        with units_restored(cfg), progress_bar("extract") as bar:
-            task = bar.add_task("extract", total=None)
-            out, m, _ = run_stage(
-                cfg,
-                "extract",
-                {"generate": generate_dir},
-                out,
-                model=model,
-                on_progress=lambda done, total: bar.update(task, completed=done, total=total),
-            )
+        bar, tasks = progress_bar("extract"), []  # shown from the first progress: an input
+        # error (checked before any work) prints its line alone
+
+        def show(done: int, total: int | None) -> None:
+            if not tasks:
+                bar.start()
+                tasks.append(bar.add_task("extract", total=None))
+            bar.update(tasks[0], completed=done, total=total)
+
+        try:
+            with units_restored(cfg):
+                out, m, _ = run_stage(
+                    cfg, "extract", {"generate": generate_dir}, out, model=model, on_progress=show
+                )
+        finally:
+            if tasks:
+                bar.stop()
     except (EmbeddedModelError, TokenizerMismatch, FileNotFoundError, GPUsBusy) as e:
         fail(str(e))
     typer.echo(extract_summary(out, m))
