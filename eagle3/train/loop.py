@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from eagle3.draft import DraftModel
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
+from eagle3.tracking import Tracker, open_tracker
 from eagle3.train.batch import (
     add_feature_noise,
     epoch_batches,
@@ -115,6 +116,7 @@ class Run:
     impl: str = "eager"  # the TTT step (train.step_impl resolved)
     data: DeviceData | None = None  # every sample on the device (train.data_on_device)
     loader: Loader | None = None  # the fast step's batches from the shards (prefetched)
+    tracker: Tracker = field(default_factory=Tracker)  # TensorBoard (eagle3/tracking.py)
 
     def save(self, state: TrainState) -> None:
         save_checkpoint(
@@ -152,6 +154,7 @@ def _train(
     run = None
     try:
         run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
+        run.tracker = open_tracker(cfg, "train", out_dir, d.main)
         state, resumed_from = TrainState(), None
         if resume and resumable(run.ckpt, run.extra["extract"], extract_dir):
             state = resume_from(run)
@@ -203,6 +206,7 @@ def _train(
     }
     if d.main:
         write_json_atomic(out_dir / "manifest.json", manifest)
+        run.tracker.train_end(manifest)
     if d.world > 1:
         dist.barrier()  # the export and manifest exist when any rank returns
     return manifest
@@ -213,6 +217,8 @@ def close_data(run: Run | None, ds: HiddenStateDataset | OnlineStates) -> None:
     stops here, on an error too)."""
     if run is not None and run.loader is not None:
         run.loader.close()
+    if run is not None:
+        run.tracker.flush()  # closed by train_end: the run's totals come after this
     if isinstance(ds, OnlineStates):
         ds.close()
 
@@ -340,7 +346,7 @@ def run_epochs(
     tc, d = run.cfg.train, run.d
     autocast = make_autocast(run.dev, run.extra["weight_cast"], tc.sdpa)
     run.model.train()
-    queue = StepQueue(state, run.total_steps, on_progress if d.main else None)
+    queue = StepQueue(state, run.total_steps, run.tracker.wrap(on_progress) if d.main else None)
     while state.epoch < tc.epochs:
         epoch_t0 = time.perf_counter()
         batches = epoch_batches(run.ds, tc.token_budget, tc.seed, state.epoch, tc.batching)
@@ -370,6 +376,7 @@ def run_epochs(
         state.epoch_sums = {}
         if d.main:
             write_metrics(out_dir, state.history)
+            run.tracker.train_epoch(state.history[-1])
         run.save(state)
     return True
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from eagle3.atomic import write_json_atomic, write_text_atomic
 from eagle3.serving.units import speculative_config
+from eagle3.tracking import track_verify
 from eagle3.verify.arms import (
     Arms,
     chosen_ks,
@@ -125,6 +126,7 @@ def verify(
         report["promoted"] = _promote(cfg, draft_dir, out_dir, conditions, results, fp, serving)
     report["wall_s"] = round(time.time() - started, 2)
     _write_report(out_dir, report)
+    track_verify(cfg, out_dir, report)  # TensorBoard (tracking.tensorboard), a failed gate too
     if not gate.passed:
         raise GateFailed(
             f"verify gate failed for {draft_dir}: "
