@@ -7,6 +7,7 @@ so chat requests) can lag behind it; "ready" therefore means both ``/health`` an
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -14,6 +15,10 @@ from collections.abc import Callable
 import httpx
 
 from eagle3.errors import EndpointError, ServerError
+
+log = logging.getLogger(__name__)
+#: after this long, and as often again, a wait says what it waits for (a wrong URL shows at once)
+SAY_EVERY_S = 15.0
 
 
 class PortInUseError(ServerError):
@@ -121,14 +126,25 @@ def wait_until_ready(
     """
     t0 = time.monotonic()
     reason = "not polled yet"
+    say_at = SAY_EVERY_S
     while True:
         check_alive()
         reason = probe(base_url, model, api_key) or ""
         if not reason:
             return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
+        waited = time.monotonic() - t0
+        if waited > timeout_s:
             raise ServerTimeoutError(
                 f"server at {base_url} not ready after {timeout_s:.0f} s "
                 f"(last check: {reason}){describe()}"
             )
+        if waited >= say_at:  # a silent wait of serve.ready_timeout_s hides a wrong URL
+            log.warning(
+                "waiting for the server at %s: %s (%.0f s of serve.ready_timeout_s %.0f s)",
+                base_url,
+                reason,
+                waited,
+                timeout_s,
+            )
+            say_at += SAY_EVERY_S
         time.sleep(poll_interval_s)
