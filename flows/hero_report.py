@@ -16,6 +16,7 @@ from eagle3 import stages as stage_registry
 from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
 from eagle3.verify.report import fmt
+from flows.verdict import gate_words, verdict_lines
 
 # (stage, file in its folder, title): the plots inlined in the summary
 PLOTS = (
@@ -56,6 +57,31 @@ def ngram_summary(verify_dir: str | None) -> str | None:
         f"({r(ng.get('acceptance_length'))} in vLLM's count over the steps where it proposed), "
         f"speedup {speedup}"
     )
+
+
+def train_size(train_dir: str | None, info: dict[str, Any]) -> dict[str, Any]:
+    """Samples, steps and epochs of the draft, from the train manifest (the artifact summary
+    where the manifest cannot be read)."""
+    try:
+        m = json.loads((Path(train_dir) / "manifest.json").read_text()) if train_dir else {}
+    except (OSError, ValueError):
+        m = {}
+    epochs = (m.get("train_config") or {}).get("epochs", info.get("epochs"))
+    return {
+        "samples": m.get("samples", info.get("samples")),
+        "steps": m.get("steps", info.get("steps")),
+        "epochs": epochs,
+    }
+
+
+def verdict(summary: dict[str, Any]) -> list[str]:
+    """The verdict lines (flows/verdict.py) of a run with a verify stage."""
+    stages = summary["stages"]
+    if "verify" not in stages:
+        return []
+    train = stages.get("train", {})
+    size = train_size(train.get("dir"), train.get("info") or {})
+    return verdict_lines(_verify_report(stages["verify"].get("dir")), size)
 
 
 def serving_summary(verify_dir: str | None) -> str | None:
@@ -178,7 +204,8 @@ def _stage_info_lines(summary: dict[str, Any]) -> list[str]:
             lines.append(f"- n-gram baseline (prompt lookup, same workload): {ngram}")
         serving = serving_summary(stages.get("verify", {}).get("dir"))
         if serving:
-            lines.append(f"- **serve** (each method at its best measured k): {serving}")
+            lines.append(f"- measured (each method at its best k): {serving}")
+        lines += [f"- **{line}**" for line in verdict(summary)]
     return lines
 
 
@@ -206,16 +233,15 @@ def print_summary(summary: dict[str, Any]) -> None:
     if "verify" in info:
         vf = info["verify"]
         per_pos = [round(x, 3) for x in (vf.get("acceptance_per_position") or [])]
-        print(
-            f"verify: speedup {vf.get('speedup')}, acceptance per position {per_pos}, "
-            f"gate {'passed' if (vf.get('gate') or {}).get('passed') else 'FAILED'}"
-            f"{', promoted to ' + vf['promoted'] if vf.get('promoted') else ''}"
-        )
+        print(f"verify: speedup {vf.get('speedup')}, acceptance per position {per_pos}")
+        print(gate_words(vf.get("gate") or {}, vf.get("promoted"), vf.get("acceptance_length")))
         serving = serving_summary(summary["stages"]["verify"].get("dir"))
         if serving:
-            print(f"serve (each at its best measured k): {serving}")
+            print(f"measured (each at its best k): {serving}")
         ngram = ngram_summary(summary["stages"]["verify"].get("dir"))
-        print(  # the last line, as the README says
+        print(
             f"acceptance length: {summary['acceptance_length']}"
             + (f" (n-gram baseline: {ngram})" if ngram else "")
         )
+        for line in verdict(summary):  # the last lines, as the README says
+            print(line)
