@@ -59,15 +59,18 @@ def choices(serving: dict[str, Any]) -> list[Choice]:
     verify report's ``serving``: each method at its best measured k)."""
     out = []
     for c, e in serving.items():
-        tps, speedup = e["tokens_per_s"], e.get("speedup")
+        tps, speedup = e.get("tokens_per_s"), e.get("speedup")
         cands = [("draft", e["num_speculative_tokens"], tps, speedup)]
         ng = e.get("ngram")
         if ng and ng.get("tokens_per_s") is not None:
             cands.append(
                 ("n-gram", ng["num_speculative_tokens"], ng["tokens_per_s"], ng["speedup"])
             )
-        if speedup:  # the target alone: the speedups' denominator
+        if speedup and tps:  # the target alone: the speedups' denominator
             cands.append(("the target alone", None, tps / speedup, 1.0))
+        cands = [x for x in cands if x[2] is not None]
+        if not cands:  # nothing measured at this concurrency
+            continue
         method, k, best, sp = max(cands, key=lambda x: x[2])
         out.append(Choice(c, method, k, best, sp, e))
     return out
