@@ -76,6 +76,10 @@ def choices(serving: dict[str, Any]) -> list[Choice]:
     return out
 
 
+def _n(count: Any, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def gate_words(gate: dict[str, Any], promoted: str | None, acceptance_length: float | None) -> str:
     """What the gate checked, in the words of what it checked: a gate that did not require
     beating n-gram says so (and whether the draft did)."""
@@ -109,16 +113,17 @@ def verdict_lines(report: dict[str, Any], train: dict[str, Any]) -> list[str]:
     lines = ["serve on this machine: " + "; ".join(p.text() for p in picks)]
     if all(p.draft_wins for p in picks):
         return lines
-    ng = report.get("ngram") or {}
+    ng = (report.get("ngram") or {}).get("acceptance_length_all_steps")
+    versus = f" against n-gram's {fmt(ng)} over all steps" if ng is not None else ""
     lines.append(
-        f"why the draft loses: it trained on {train.get('samples')} samples in "
-        f"{train.get('steps')} steps ({train.get('epochs')} epochs), the demo's size: enough to "
-        "run every stage, not to predict the target better than copying from the prompt "
-        f"(acceptance length {fmt(report.get('acceptance_length'))}, n-gram "
-        f"{fmt(ng.get('acceptance_length_all_steps'))} over all steps)"
+        f"why the draft loses: it trained on {_n(train.get('samples'), 'sample')} in "
+        f"{_n(train.get('steps'), 'step')} ({_n(train.get('epochs'), 'epoch')}), the demo's size "
+        f"(enough to run every stage): its acceptance length "
+        f"{fmt(report.get('acceptance_length'))}{versus} does not pay for its own forward here"
     )
     lines.append(
-        f"for a draft that wins: python -m flows.hero_run -c {WINNING_PROFILE} (extract and "
-        f"train on a GPU): {WINNING_FIGURES}"
+        f"for a draft that wins: python -m flows.hero_run -c {WINNING_PROFILE} "
+        "(extract and train on a GPU)"
     )
+    lines.append(f"  its measured figures: {WINNING_FIGURES}")
     return lines

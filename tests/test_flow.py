@@ -98,10 +98,10 @@ def test_hero_run_with_verify_prints_acceptance_length(tiny_hero, smol_model, tm
     verdict = [i for i, line in enumerate(lines) if line.startswith("serve on this machine: ")]
     assert verdict and lines[verdict[0]].startswith(f"serve on this machine: c=1: {fastest}")
     tail = lines[verdict[0] :]
-    assert len(tail) == (1 if fastest == "draft" else 3)  # why it loses, what wins
+    assert len(tail) == (1 if fastest == "draft" else 4)  # why it loses, what wins
     if fastest != "draft":
         assert tail[1].startswith("why the draft loses: it trained on 4 samples in ")
-        assert "smollm2-sharegpt" in tail[2]
+        assert "smollm2-sharegpt" in tail[2] and "2.724-2.727" in tail[3]
     # TensorBoard: the hero run's train run and this verify side by side in the profile's log dir
     from tests.test_tracking import scalars
 
@@ -136,4 +136,10 @@ def test_hero_run_with_online_states(tiny_hero, tmp_path):
     # auto: every state fits memory, so each sample is produced once and later epochs read it
     assert st["memory_bytes"] == st["cache_plan"]["total_bytes"] > 0 and st["disk_samples"] == 0
     assert st["produced"] == st["memory_samples"]
+    # TensorBoard: the online run's state sources per epoch and the producer's time (eagle3/tracking.py)
+    from tests.test_tracking import scalars
+
+    tb = scalars(next((runs / "smollm2-cpu" / "tensorboard").glob(f"train-*-{train_dir.name[:8]}")))
+    assert tb["epoch/states_produced"] == [(1, st["produced"])]
+    assert tb["train/states_produce_s"][0][1] == pytest.approx(st["produce_s"], abs=1e-3)
     assert (train_dir / "vllm-draft" / "config.json").is_file()
