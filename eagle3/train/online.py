@@ -9,10 +9,11 @@ in for :class:`~eagle3.extract.storage.HiddenStateDataset` (same ``ids``, ``leng
 Why it is not slower than offline (issue 38; measured in docs/benchmarks.md, "Online states"):
 
 - **Batched and ahead.** The training loop ``request``\\ s the next ``train.online_prefetch``
-  batches; the in-process target (``hf``) computes every missing sample of that window in
+  batches; the in-process target (``hf``) computes their missing samples in
   ``extract.token_budget``-token forwards (as extract does, not one training batch at a time),
-  on a CUDA stream of its own on the loader thread, so it overlaps the draft's step instead of
-  queueing behind it, and its states never leave the GPU. The vLLM source (``vllm``: the target's
+  on a thread and CUDA stream of its own (:class:`~eagle3.train.producers.ProducerThread`, with
+  the loader's thread) so it overlaps the draft's step and the loader's padding instead of
+  queueing behind them, and its states never leave the GPU. The vLLM source (``vllm``: the target's
   extract server, started for the run by rank 0 and shared by every training rank) gets the
   window's requests at once and keeps several in flight (``extract.vllm_concurrency`` a rank).
 - **Reused at offline speed.** Every produced sample is kept, rounded to
