@@ -13,7 +13,7 @@ AdamW) on synthetic hidden states.
 Prints tokens/s, peak memory, the time per phase (batch: the padded batch and the target
 distribution; forward; backward; optimizer: clip + AdamW; from CUDA events, wall time on CPU)
 and, on a GPU, MFU against the bf16 matmul rate measured in the same run. Model FLOPs per token:
-bench/train_flops.py (fc 4N once; the layer 6N and a trainable lm_head 6DH per TTT step; only
+eagle3/train/flops.py (fc 4N once; the layer 6N and a trainable lm_head 6DH per TTT step; only
 the causal + diagonal attention pairs; the target head 2VH forward, once per token).
 The step is the train stage's, with the settings it picks on this device (train.step_impl auto,
 fused AdamW and bf16 autocast without the weight-cast cache on CUDA, one step in flight).
@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu import Phases, matmul_rate, profile_table, sync  # noqa: E402
-from train_flops import flops_per_token, layer_params  # noqa: E402
 
 from eagle3.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.extract.storage import Sample  # noqa: E402
@@ -58,6 +57,7 @@ from eagle3.train import (  # noqa: E402
     make_optimizer,
     wrap_for_training,
 )
+from eagle3.train.flops import flops_per_token, layer_params  # noqa: E402
 from eagle3.train.loader import Loader, prefetch_on  # noqa: E402
 from eagle3.train.step import (  # noqa: E402
     make_autocast,

@@ -8,7 +8,8 @@ to last night's in the same charts (``eagle3 tensorboard`` / ``make tensorboard`
 dir). A resumed run (same stage folder) writes into its first sub-folder, steps continuing.
 
 Train: per logging step (``tracking.every_steps``) the loss and top-1 of each TTT position, lr,
-grad norm and loss tokens/s; per epoch the same means, the epoch's seconds and, online, where its
+grad norm, loss tokens/s, model TFLOP/s (eagle3/train/flops.py) and, on a GPU whose bf16
+peak is known, MFU; per epoch the same means, the epoch's seconds and, online, where its
 states came from; at the end, online, the step's wait for states and the producer's time. Verify:
 acceptance per position, per workload category (the offline estimate) and tokens/s per method at
 each k (x axis: the position, or k).
@@ -34,6 +35,12 @@ class Tracker:
     every: int = 1
     log_dir: Path | None = None
     _last: float | None = None  # when the previous step's metrics arrived (tokens/s)
+    flops: float | None = None  # model FLOPs per token of the step (eagle3/train/flops.py)
+    peak: float | None = None  # a GPU's dense bf16 peak FLOP/s, where known (MFU)
+    world: int = 1  # ranks sharing the step's tokens
+
+    def set_flops(self, flops: float, peak: float | None, world: int = 1) -> None:
+        self.flops, self.peak, self.world = flops, peak, world
 
     def scalar(self, tag: str, value: float | None, step: int) -> None:
         if self.writer is not None and value is not None:
@@ -69,6 +76,12 @@ class Tracker:
                 self.scalar(f"train/top1_pos{i}", st["correct"] / st["count"], step)
         if stats and last is not None and now > last:
             self.scalar("train/tokens_per_s", stats[0].get("count", 0) / (now - last), step)
+        if self.flops and p.get("tokens") and last is not None and now > last:
+            # a GPU's model FLOP/s: its share of the step's real tokens (padding counts nothing)
+            flop_s = p["tokens"] / self.world / (now - last) * self.flops
+            self.scalar("train/model_tflops_per_s", flop_s / 1e12, step)
+            if self.peak:
+                self.scalar("train/mfu", flop_s / self.peak, step)
 
     def train_epoch(self, e: dict[str, Any]) -> None:
         """One entry of metrics.json (x axis: the epoch)."""
@@ -126,6 +139,19 @@ def open_tracker(cfg: Any, stage: str, out_dir: Path, main: bool = True) -> Trac
     log_dir = run_log_dir(cfg, stage, out_dir)
     # flushed every 10 s (not TensorBoard's 120): a person watches the curves as it trains
     return Tracker(SummaryWriter(str(log_dir), flush_secs=10), t.every_steps, log_dir)
+
+
+def open_train_tracker(
+    cfg: Any, out_dir: Path, main: bool, model: Any, ds: Any, device: Any, world: int
+) -> Tracker:
+    """The train stage's tracker, with the step's model FLOPs per token and the GPU's peak
+    (model TFLOP/s and MFU beside tokens/s)."""
+    from eagle3.train.flops import peak_flops, run_flops_per_token
+
+    tr = open_tracker(cfg, "train", out_dir, main)
+    if tr.writer is not None:
+        tr.set_flops(run_flops_per_token(model, cfg.train, ds), peak_flops(device), world)
+    return tr
 
 
 def track_verify(cfg: Any, out_dir: Path, report: dict[str, Any]) -> Path | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from eagle3.tracking import Tracker, run_log_dir, tensorboard_argv, track_verify
@@ -54,6 +55,11 @@ def test_train_writes_step_and_epoch_scalars(tracked_run):
     assert [v for _, v in s["train/loss"]] == pytest.approx([p["loss"] for p in seen], rel=1e-5)
     assert [v for _, v in s["train/lr"]] == pytest.approx([p["lr"] for p in seen], rel=1e-5)
     assert all(v > 0 for _, v in s["train/tokens_per_s"])
+    # model FLOP/s: the step's real tokens x the draft's FLOPs a token (eagle3/train/flops.py) /
+    # the step's time; no MFU on the CPU (no known peak)
+    tflops = s["train/model_tflops_per_s"]
+    assert len(tflops) == steps - 1 and all(v > 0 for _, v in tflops)  # from the 2nd step on
+    assert all(p["tokens"] > 0 for p in seen) and "train/mfu" not in s
     for i in range(cfg.train.ttt_steps):  # per TTT position
         assert len(s[f"train/loss_pos{i}"]) == steps
         assert all(0 <= v <= 1 for _, v in s[f"train/top1_pos{i}"])
@@ -216,3 +222,28 @@ def test_tensorboard_page_shows_the_run(tracked_run, tmp_path):
                 browser.close()
     finally:
         _stop(proc)
+
+
+def test_model_flops_and_mfu_per_step(monkeypatch):
+    """Model TFLOP/s = a rank's share of the step's real tokens x FLOPs a token / the step's
+    time; MFU divides by the GPU's peak (where the table knows it)."""
+    import eagle3.tracking as tracking
+    from eagle3.train.flops import PEAK_BF16, peak_flops
+
+    got: dict[str, float] = {}
+
+    class Writer:
+        def add_scalar(self, tag, value, step):
+            got[tag] = value
+
+    clock = iter([100.0, 100.0, 102.0, 102.0])
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: next(clock))
+    tr = tracking.Tracker(Writer())
+    tr.set_flops(3e9, PEAK_BF16["H100"], world=2)
+    step = {"steps": [{"count": 10, "correct": 5}], "tokens": 4000, "total_steps": 9}
+    tr.train_step({**step, "step": 1})
+    assert "train/mfu" not in got  # no previous step: no time yet
+    tr.train_step({**step, "step": 2})  # 2 s later: 2,000 tokens a rank x 3 GFLOP / 2 s
+    assert got["train/model_tflops_per_s"] == pytest.approx(3.0)
+    assert got["train/mfu"] == pytest.approx(3e12 / 989e12)
+    assert peak_flops(torch.device("cpu")) is None

@@ -26,7 +26,7 @@ from eagle3.draft import DraftModel
 from eagle3.extract.storage import HiddenStateDataset
 from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
-from eagle3.tracking import Tracker, open_tracker
+from eagle3.tracking import Tracker, open_train_tracker
 from eagle3.train.batch import (
     add_feature_noise,
     epoch_batches,
@@ -154,7 +154,7 @@ def _train(
     run = None
     try:
         run = set_up(cfg, model, ds, vocab, target_dir, out_dir, d, dev)
-        run.tracker = open_tracker(cfg, "train", out_dir, d.main)
+        run.tracker = open_train_tracker(cfg, out_dir, d.main, model, ds, dev, d.world)
         state, resumed_from = TrainState(), None
         if resume and resumable(run.ckpt, run.extra["extract"], extract_dir):
             state = resume_from(run)
@@ -362,7 +362,8 @@ def run_epochs(
                 run.loader.prefetch(batches[at : at + 2 * g][d.rank :: d.world])
             lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio, tc.lr_schedule)
             step_batches = batches[at : at + g]
-            queue.push(optimizer_step(run, step_batches, lr, autocast), lr, len(step_batches))
+            toks = sum(min(run.ds.length(i), tc.max_seq_len) for b in step_batches for i in b)
+            queue.push(optimizer_step(run, step_batches, lr, autocast), lr, len(step_batches), toks)
             if state.step % tc.checkpoint_every_steps == 0:
                 queue.settle()
                 run.save(state)

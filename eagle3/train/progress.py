@@ -71,12 +71,14 @@ class StepQueue:
         self.on_progress = on_progress
         self.pending: tuple[StepResult | PendingStep, dict[str, Any]] | None = None
 
-    def push(self, r: StepResult | PendingStep, lr: float, n_batches: int) -> None:
-        """A step just queued: advance the position, then settle the step before it."""
+    def push(self, r: StepResult | PendingStep, lr: float, n_batches: int, tokens: int = 0) -> None:
+        """A step just queued: advance the position, then settle the step before it.
+        ``tokens``: the real tokens of the step's global batch (the MFU's numerator)."""
         s = self.state
         s.step += 1
         s.batch_in_epoch += n_batches
         info = {"step": s.step, "total_steps": self.total_steps, "epoch": s.epoch, "lr": lr}
+        info["tokens"] = tokens
         previous, self.pending = self.pending, (r, info)
         if previous is not None:
             self._count(*previous)

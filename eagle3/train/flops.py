@@ -1,4 +1,5 @@
-"""Model FLOPs per trained token of the TTT step: the numerator of bench/train.py's MFU.
+"""Model FLOPs per trained token of the TTT step: the numerator of MFU (bench/train.py's, and the
+train stage's TensorBoard ``train/mfu``).
 
 Counted as the work the step needs, not what an implementation happens to do (docs/train.md,
 "Throughput and FLOP accounting"). Per token, with K TTT steps, N_fc = H x A*Ht, N_layer = the
@@ -60,3 +61,29 @@ def flops_per_token(
 def layer_params(model: Any) -> int:
     """Weights of the decoder layer (``midlayer``) taking part in matmuls (norms excluded)."""
     return sum(p.numel() for p in model.midlayer.parameters() if p.dim() >= 2)
+
+
+#: dense bf16 peak FLOP/s by GPU name (the vendors' datasheets, SXM parts, no sparsity): MFU's
+#: denominator where the train stage runs; elsewhere (the CPU, another GPU) no MFU is logged
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops(device: Any) -> float | None:
+    """The dense bf16 peak of ``device`` if this table knows its GPU, else None."""
+    import torch
+
+    if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def run_flops_per_token(model: Any, tc: Any, ds: Any) -> float:
+    """FLOPs per loss-eligible token of this run's step: the samples' mean length (cut to
+    ``train.max_seq_len``) for the attention pairs, the frozen or trained head as configured;
+    the fast step's target head at its draft rows (the full-vocab argmax once per sample)."""
+    n = len(ds)
+    seq = sum(min(ds.length(i), tc.max_seq_len) for i in range(n)) / max(n, 1)
+    return flops_per_token(
+        model.config, layer_params(model), round(seq), tc.ttt_steps, not tc.freeze_head, True
+    )["total"]
