@@ -388,20 +388,30 @@ def test_a_second_hero_run_of_a_profile_waits_and_says_for_whom(tmp_path):
 
 def test_a_wait_for_a_server_says_what_it_waits_for(monkeypatch, caplog):
     """A wrong serve.base_url (nothing listens there) is not a silent wait of
-    serve.ready_timeout_s: the wait says every SAY_EVERY_S what it waits for and why."""
+    serve.ready_timeout_s: the wait for a server started elsewhere says every SAY_EVERY_S what it
+    waits for and why; one started here (loading) is waited for quietly (its death is caught)."""
     import logging
 
     from eagle3.serving import readiness
 
     monkeypatch.setattr(readiness, "SAY_EVERY_S", 0.2)
-    with caplog.at_level(logging.WARNING, logger=readiness.__name__):
-        with pytest.raises(readiness.ServerTimeoutError, match="not ready after"):
-            readiness.wait_until_ready(
-                "http://127.0.0.1:9",
-                "m",
-                timeout_s=0.7,
-                poll_interval_s=0.05,
-                check_alive=lambda: None,
-            )
-    said = [r.getMessage() for r in caplog.records if "waiting for the server" in r.getMessage()]
-    assert len(said) >= 2 and "http://127.0.0.1:9" in said[0] and "refused" in said[0]
+
+    def said(say: bool) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=readiness.__name__):
+            with pytest.raises(readiness.ServerTimeoutError, match="not ready after"):
+                readiness.wait_until_ready(
+                    "http://127.0.0.1:9",
+                    "m",
+                    timeout_s=0.7,
+                    poll_interval_s=0.05,
+                    check_alive=lambda: None,
+                    say_waiting=say,
+                )
+        return [
+            r.getMessage() for r in caplog.records if "waiting for the server" in r.getMessage()
+        ]
+
+    lines = said(True)
+    assert len(lines) >= 2 and "http://127.0.0.1:9" in lines[0] and "refused" in lines[0]
+    assert said(False) == []

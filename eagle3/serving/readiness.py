@@ -118,8 +118,11 @@ def wait_until_ready(
     check_alive: Callable[[], None],
     api_key: str | None = None,
     describe: Callable[[], str] = lambda: "",
+    say_waiting: bool = False,
 ) -> float:
-    """Poll until ready; returns seconds waited.
+    """Poll until ready; returns seconds waited. ``say_waiting``: log every ``SAY_EVERY_S`` what
+    it waits for (a server started elsewhere, whose URL may be wrong; one started here is loading,
+    and its death is caught by ``check_alive``).
 
     ``check_alive`` raises ServerDiedError as soon as the server is known dead, so an early
     crash is reported at once with its cause instead of after the full timeout.
@@ -138,7 +141,7 @@ def wait_until_ready(
                 f"server at {base_url} not ready after {timeout_s:.0f} s "
                 f"(last check: {reason}){describe()}"
             )
-        if waited >= say_at:  # a silent wait of serve.ready_timeout_s hides a wrong URL
+        if say_waiting and waited >= say_at:  # a silent wait of the timeout hides a wrong URL
             log.warning(
                 "waiting for the server at %s: %s (%.0f s of serve.ready_timeout_s %.0f s)",
                 base_url,

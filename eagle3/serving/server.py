@@ -133,6 +133,7 @@ def _attach_external(cfg: PipelineConfig, timeout: float) -> Server:
         poll_interval_s=s.poll_interval_s,
         check_alive=lambda: None,
         api_key=s.api_key,
+        say_waiting=True,
     )
     return Server(base_url, name, "external", started_here=False, ready_s=ready, api_key=s.api_key)
 
