@@ -468,8 +468,16 @@ def test_export_vllm_llama_names_and_refusals(tmp_path):
     assert set(tensors) == set(VLLM_WEIGHT_NAMES) == set(VLLM_TINY)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == VLLM_TINY
 
-    # re-export replaces atomically; a bad mapping is refused before anything is written
-    export_vllm(m, None, vocab.d2t, vocab.t2d, out)
+    # a re-export replaces the folder (new weights, nothing of the old left, no temporary left)
+    with torch.no_grad():
+        m.fc.weight.add_(1.0)
+    assert export_vllm(m, None, vocab.d2t, vocab.t2d, out) == out
+    again = load_file(str(out / "model.safetensors"))
+    assert torch.equal(again["fc.weight"], m.fc.weight.detach().bfloat16())
+    assert not torch.equal(again["fc.weight"], tensors["fc.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # a bad mapping is refused before anything is written
     with pytest.raises(ValueError, match="inconsistent"):
         export_vllm(m, cfg, vocab.d2t + 1, vocab.t2d, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()

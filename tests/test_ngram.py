@@ -125,7 +125,7 @@ def _vllm_proposer():
 def test_same_proposals_as_vllms_own_function():
     vllm_propose = _vllm_proposer()
     rng = random.Random(0)
-    cases = 0
+    proposed = empty = 0
     for _ in range(1500):
         n_min = rng.randint(1, 3)
         n_max = rng.randint(n_min, 5)
@@ -135,11 +135,9 @@ def test_same_proposals_as_vllms_own_function():
         if rng.random() < 0.3 and len(ctx) > 6:  # plant a repeat of a longer n-gram
             i = rng.randrange(len(ctx) - 5)
             ctx += ctx[i : i + rng.randint(2, 6)]
-        assert propose_ngram(ctx, k, n_min, n_max) == vllm_propose(ctx, k, n_min, n_max), (
-            ctx,
-            k,
-            n_min,
-            n_max,
-        )
-        cases += 1
-    assert cases == 1500
+        ours = propose_ngram(ctx, k, n_min, n_max)
+        assert ours == vllm_propose(ctx, k, n_min, n_max), (ctx, k, n_min, n_max)
+        proposed, empty = proposed + bool(ours), empty + (not ours)
+    # both outcomes compared many times (two proposers that never propose would agree too)
+    print(f"{proposed} proposals, {empty} empty")
+    assert proposed >= 300 and empty >= 300, (proposed, empty)

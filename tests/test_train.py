@@ -134,11 +134,24 @@ def setup(tmp_path_factory):
     return make_setup(tmp_path_factory.mktemp("train"))
 
 
-def test_count_tokens_signature_sanity(setup):
+def test_setup_vocab_counts_the_extracts_assistant_tokens(setup):
+    """The tiny run's vocab (make_vocab: count_tokens over the extract's tokens): each id counted
+    once per loss-masked position, read back from the shards here; the 4 prompt positions of
+    every sample not counted; every id the data uses has a draft row."""
     _, _, _, ext, vocab = setup
+    from eagle3.extract.storage import HiddenStateDataset
     from eagle3.vocab import load_vocab
 
     m = load_vocab(vocab)
+    ds = HiddenStateDataset(ext)
+    want = torch.zeros(V, dtype=torch.int64)
+    for i in range(len(ds)):
+        s = ds[i]
+        mask = s.loss_mask.bool()
+        assert not mask[:4].any() and mask[4:].all()
+        want.index_add_(0, s.input_ids[mask], torch.ones(int(mask.sum()), dtype=torch.int64))
+    assert len(ds) == 32 and torch.equal(m.counts, want)
+    assert int(m.counts.sum()) == sum(ds.length(i) - 4 for i in range(len(ds)))
     assert m.draft_vocab_size == DRAFT_V and bool(m.t2d[:TOKENS].all())
 
 

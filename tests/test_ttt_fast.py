@@ -201,18 +201,33 @@ def test_nan_guard_on_the_device_skips_the_update():
 
 def test_step_context_keeps_sdpa_off_cudnn_and_is_reusable():
     """train.sdpa: no_cudnn wraps each forward in autocast + sdpa_kernel(flash, efficient, math):
-    reusable across steps (a fresh sdpa_kernel each time) and a no-op for what CPU runs pick.
+    inside it SDPA may not pick cuDNN (the backend flags PyTorch reads on any build), outside it
+    the flags are as before, and it is reusable across steps (a fresh sdpa_kernel each time).
     (Whether cuDNN would have been picked needs a Hopper GPU: docs/benchmarks.md, session 6.)"""
+    import warnings
+
     from eagle3.train.step import StepContext, make_autocast
 
+    b = torch.backends.cuda
+    flags = (b.cudnn_sdp_enabled, b.flash_sdp_enabled, b.mem_efficient_sdp_enabled)
     assert isinstance(make_autocast(torch.device("cpu"), "fast"), torch.autocast)  # CPU: as before
-    ctx = StepContext(torch.autocast("cpu", enabled=False))
+    with warnings.catch_warnings():  # a CUDA autocast on a CPU build: "CUDA is not available"
+        warnings.simplefilter("ignore")
+        assert isinstance(make_autocast(torch.device("cuda"), "fast"), StepContext)
+        assert isinstance(make_autocast(torch.device("cuda"), "fast", "auto"), torch.autocast)
+    before = [f() for f in flags]
+    assert before[0], "cuDNN attention already off outside the context: the test shows nothing"
+    ctx = StepContext(torch.autocast("cpu", dtype=torch.bfloat16))
     q = torch.randn(1, 2, 8, 16)
     plain = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     for _ in range(2):
         with ctx:
+            assert [f() for f in flags] == [False, True, True]
+            assert torch.is_autocast_enabled("cpu")  # the step's autocast is entered too
             out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        torch.testing.assert_close(out, plain)
+        assert [f() for f in flags] == before and not torch.is_autocast_enabled("cpu")
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), plain, atol=2e-2, rtol=2e-2)
 
 
 def test_clip_folded_into_fused_adamw():
