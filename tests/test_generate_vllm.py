@@ -304,7 +304,12 @@ def test_profile_concurrency_and_auto(vllm_server, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "profile" / "concurrency-profile.json").read_text())
-    assert [lv["concurrency"] for lv in report["levels"]] == [1, 4] and report["knee"] in (1, 4)
+    tps = {lv["concurrency"]: lv["tokens_per_s"] for lv in report["levels"]}
+    assert list(tps) == [1, 4] and min(tps.values()) > 0
+    # the knee: the smallest level within profile_knee (0.97) of the best throughput
+    best = max(tps, key=tps.get)
+    knee = min(c for c in tps if tps[c] >= report["knee_fraction"] * tps[best])
+    assert report["knee_fraction"] == 0.97 and (report["best"], report["knee"]) == (best, knee), tps
     assert (out / "profile" / "concurrency-profile.png").stat().st_size > 1000
     assert json.loads((out / "manifest.json").read_text())["concurrency"] == report["knee"]
     assert "concurrency auto ->" in r.stderr
