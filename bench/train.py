@@ -317,9 +317,7 @@ def main() -> None:
         else:
             micro = [make_batch(s, head, dev, n) for s in micro_samples]
         phases.mark("batch")
-        r = train_step_async(
-            net, opt, params, micro, dist_info, ttt, 0.8, 0.5, autocast, phases.mark
-        )
+        r = train_step_async(net, opt, params, micro, dist_info, 0.5, autocast, phases.mark)
         settle()
         pending.append(r)
 

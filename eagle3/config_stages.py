@@ -248,6 +248,13 @@ class TrainConfig(_Section):
         json_schema_extra=UNKEYED,
     )
 
+    @field_validator("parallel_depths")
+    @classmethod
+    def _depths(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("parallel_depths 1 is sequential drafting: use 0, or 2 and more")
+        return v
+
     @field_validator("state_cache_gib", "state_cache_memory_gib")
     @classmethod
     def _cache_size(cls, v: float | str) -> float | str:
@@ -310,6 +317,22 @@ class TrainConfig(_Section):
         False,
         description="The layer's residual is the normed hidden state (speculators' default); "
         "written to the export's config, which vLLM reads.",
+    )
+    parallel_depths: int = Field(
+        0,
+        ge=0,
+        description="Parallel drafting (P-EAGLE): also train the draft to propose this many "
+        "tokens in ONE pass, positions after the first fed a learned placeholder (the target's "
+        "embedding of parallel_token_id and a trained hidden state, mask_hidden) instead of its "
+        "own guesses; vLLM then serves it with parallel_drafting at k <= parallel_depths, and "
+        "the verify sweep measures both ways (docs/train.md, Parallel drafting). 0: sequential "
+        "only. Llama drafts only (vLLM 0.32's MLA draft has no mask_hidden).",
+    )
+    parallel_token_id: int | None = Field(
+        None,
+        ge=0,
+        description="The placeholder token of the parallel positions (its embedding is the "
+        "target's, frozen); None: the target config's pad_token_id, else its eos_token_id.",
     )
     feature_noise: float = Field(
         0.0,

@@ -86,9 +86,11 @@ class Tracker:
     def train_epoch(self, e: dict[str, Any]) -> None:
         """One entry of metrics.json (x axis: the epoch)."""
         n = e["epoch"]
+        names = e.get("columns") or []
         for i, (loss, top1) in enumerate(zip(e.get("loss", []), e.get("top1", []))):
-            self.scalar(f"epoch/loss_pos{i}", loss, n)
-            self.scalar(f"epoch/top1_pos{i}", top1, n)
+            tag = column_tag(names[i]) if i < len(names) else f"pos{i}"
+            self.scalar(f"epoch/loss_{tag}", loss, n)
+            self.scalar(f"epoch/top1_{tag}", top1, n)
         self.scalar("epoch/seconds", e.get("s"), n)
         if e.get("s"):
             self.scalar("epoch/tokens_per_s", e.get("tokens", 0) / e["s"], n)
@@ -113,6 +115,13 @@ class Tracker:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def column_tag(name: str) -> str:
+    """A loss column's TensorBoard tag: ``step 2`` -> ``pos2`` (the TTT step, as before parallel
+    drafting), ``parallel 1`` -> ``par1`` (eagle3.train.ttt.column_names)."""
+    kind, _, i = name.partition(" ")
+    return f"{'par' if kind == 'parallel' else 'pos'}{i}"
 
 
 def run_log_dir(cfg: Any, stage: str, out_dir: Path) -> Path:

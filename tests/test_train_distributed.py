@@ -207,8 +207,6 @@ def test_accumulated_step_is_one_big_batch(data):
         params,
         parts,
         Dist(),
-        2,
-        0.8,
         1e9,
         contextlib.nullcontext(),
     )

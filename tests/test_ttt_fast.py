@@ -135,7 +135,7 @@ def test_fast_optimizer_step_matches_eager():
         opt = make_optimizer(model, 1e-2, 0.0)
         results = [
             train_step(
-                net, opt, params, batches, Dist(), 3, 0.8, 0.5, torch.autocast("cpu", enabled=False)
+                net, opt, params, batches, Dist(), 0.5, torch.autocast("cpu", enabled=False)
             )
             for _ in range(2)
         ]
@@ -187,11 +187,11 @@ def test_nan_guard_on_the_device_skips_the_update():
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(model, 1e-2, 0.0, fused=fused)
         before = [p.detach().clone() for p in params]
-        r = train_step(net, opt, params, bad, Dist(), 3, 0.8, 0.5, cpu)
+        r = train_step(net, opt, params, bad, Dist(), 0.5, cpu)
         assert not r.finite
         assert all(torch.equal(a, b) for a, b in zip(before, params))
         assert all(float(st["step"]) == 0 for st in opt.state.values())
-        r = train_step(net, opt, params, good, Dist(), 3, 0.8, 0.5, cpu)
+        r = train_step(net, opt, params, good, Dist(), 0.5, cpu)
         assert r.finite
         out.append([p.detach().clone() for p in params])
     # fused and foreach AdamW order their arithmetic differently (Adam's normalised update
@@ -244,8 +244,8 @@ def test_clip_folded_into_fused_adamw():
         net = TTTObjective(model, 3, 0.8, "fast")
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(model, 1e-2, 0.01, fused=fused)
-        norms = [train_step(net, opt, params, batches, Dist(), 3, 0.8, 0.5, cpu).grad_norm]
-        norms += [train_step(net, opt, params, batches, Dist(), 3, 0.8, 0.5, cpu).grad_norm]
+        norms = [train_step(net, opt, params, batches, Dist(), 0.5, cpu).grad_norm]
+        norms += [train_step(net, opt, params, batches, Dist(), 0.5, cpu).grad_norm]
         assert hasattr(opt, "grad_scale") == fused
         out.append((norms, [p.detach().clone() for p in params]))
     (n_ref, w_ref), (n_fold, w_fold) = out

@@ -270,6 +270,11 @@ class DraftModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.rotary = self.rotary_cls(cfg)
+        if getattr(cfg, "parallel_depths", 0):
+            # P-EAGLE's placeholder hidden state, in the fc's input space (3 aux layers wide) as
+            # vLLM keeps it: it goes through fc (vLLM: combine_hidden_states) like real states.
+            # 1-D so that Muon (2-D matrices) leaves it to AdamW.
+            self.mask_hidden = nn.Parameter(torch.zeros(cfg.fc_input_size))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -280,6 +285,8 @@ class DraftModel(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        if hasattr(self, "mask_hidden"):  # speculators' init: randn
+            nn.init.normal_(self.mask_hidden)
 
     def load_embeddings(self, model_dir: str | Path) -> None:
         """Copy the target's input embedding (frozen), reading only that tensor from disk."""
@@ -291,6 +298,14 @@ class DraftModel(nn.Module):
             )
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
+
+    def placeholder(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeddings [B, T, H], projected hidden states [B, T, H]) of parallel positions: the
+        placeholder token's embedding and ``fc(mask_hidden)``, each one vector broadcast (vLLM
+        projects mask_hidden once when it loads the draft and writes it into every mask slot)."""
+        tok = torch.full((1, 1), self.config.parallel_token_id, device=self.mask_hidden.device)
+        emb = self.embed_tokens(tok)
+        return emb.expand(b, t, -1), self.fc(self.mask_hidden).expand(b, t, -1)
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """fc: [.., A*Ht] target states -> [.., H] (vLLM's ``combine_hidden_states``)."""

@@ -127,7 +127,17 @@ def vllm_config_dict(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
         "eagle_config": _eagle_config(cfg),
+        **parallel_fields(cfg),
     }
+
+
+def parallel_fields(cfg: Any) -> dict[str, Any]:
+    """A parallel-drafting draft's config keys: ``ptd_token_id`` (vLLM 0.32's proposer reads the
+    placeholder id from it, llm_base_proposer.py) and the depths it was trained for (ours: the
+    verify sweep's largest parallel k)."""
+    if not getattr(cfg, "parallel_depths", 0):
+        return {}
+    return {"ptd_token_id": cfg.parallel_token_id, "parallel_drafting_depths": cfg.parallel_depths}
 
 
 def draft_tensors(
@@ -155,6 +165,8 @@ def draft_tensors(
             raise ValueError("a full-vocab draft must map row i to id i (vLLM ignores the mapping)")
     tensors: dict[str, torch.Tensor] = {}
     for name, t in model.trainable_state_dict().items():
+        if name == "mask_hidden":  # vLLM's buffer shape
+            t = t.view(1, -1)
         tensors[name] = t.detach().to("cpu", dtype).contiguous()
     if cfg.draft_vocab_size != cfg.vocab_size:
         tensors["d2t"] = d2t
@@ -249,17 +261,25 @@ def speculators_config_dict(
         "architectures": ["LlamaForCausalLM"],
         "eagle_config": _eagle_config(cfg),
     }
+    # a parallel-drafting draft is speculators' "peagle": vLLM's update_peagle maps its required
+    # mask_token_id to the proposer's placeholder and serves it with parallel_drafting
+    algo = "peagle" if getattr(cfg, "parallel_depths", 0) else "eagle3"
+    peagle = {"mask_token_id": cfg.parallel_token_id} if algo == "peagle" else {}
     return {
         "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": algo,
         "speculators_version": "0.3.0",
+        **peagle,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": algo,
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": int(num_speculative_tokens),
+                    # peagle: the trained depths, as speculators saves them (vLLM's default k)
+                    "speculative_tokens": int(
+                        cfg.parallel_depths if peagle else num_speculative_tokens
+                    ),
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -340,7 +360,7 @@ def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Lo
     if (
         "speculators_config" in conf and arch.speculators_format
     ):  # unwrap to the vLLM format's fields
-        layer = conf["transformer_layer_config"]
+        conf_in, layer = conf, conf["transformer_layer_config"]
         aux = (
             conf.get("eagle_aux_hidden_state_layer_ids")
             or layer["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -352,6 +372,10 @@ def load_exported(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Lo
             "norm_before_residual": conf.get("norm_before_residual", True),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
         }
+        if conf_in.get("mask_token_id") is not None:  # peagle
+            methods = conf_in["speculators_config"]["proposal_methods"]
+            conf["ptd_token_id"] = conf_in["mask_token_id"]
+            conf["parallel_drafting_depths"] = methods[0]["speculative_tokens"]
     return _load_tensors(path, arch.module_cls(arch.config_from_export(conf)).to(dtype), dtype)
 
 
@@ -364,6 +388,8 @@ def _load_tensors(path: Path, model: DraftModel, dtype: torch.dtype) -> Loaded:
         for k, v in tensors.items()
     }
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d")
+    if "mask_hidden" in tensors:  # exported as vLLM's [1, fc input]
+        tensors["mask_hidden"] = tensors["mask_hidden"].reshape(-1)
     missing, unexpected = model.load_state_dict(
         {k: v.to(dtype) for k, v in tensors.items()}, strict=False
     )

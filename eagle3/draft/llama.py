@@ -73,6 +73,11 @@ class DraftConfig(ConfigMethods):
     norm_before_residual: bool = False
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False  # the target's (informational: which tensor is its lm_head)
+    # parallel drafting (P-EAGLE): the tokens one pass was trained to propose (0: sequential
+    # only) and the placeholder token of its positions 1..; the draft then carries
+    # ``mask_hidden`` (the placeholder's hidden state) and the export both
+    parallel_depths: int = 0
+    parallel_token_id: int | None = None
 
     def __post_init__(self) -> None:
         check_common_fields(self, "LlamaMLP")
@@ -83,6 +88,8 @@ class DraftConfig(ConfigMethods):
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.parallel_depths and self.parallel_token_id is None:
+            raise ValueError("parallel_depths needs parallel_token_id (the placeholder token)")
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -132,6 +139,8 @@ class DraftConfig(ConfigMethods):
                 cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
             ),
         )
+        if overrides.get("parallel_depths") and overrides.get("parallel_token_id") is None:
+            overrides["parallel_token_id"] = placeholder_token(cfg)
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown DraftConfig fields: {sorted(unknown)}")
@@ -139,15 +148,35 @@ class DraftConfig(ConfigMethods):
         return cls(**values)
 
 
+def placeholder_token(target_config: dict[str, Any]) -> int:
+    """The parallel positions' token when the profile names none: the target's pad token, else
+    its (first) end-of-sequence token. Any id works (its embedding is constant input, the trained
+    part is ``mask_hidden``); one the target rarely reads in the middle of a text is the least
+    ambiguous."""
+    text = text_config(target_config)
+    for key in ("pad_token_id", "eos_token_id"):
+        v = text.get(key, target_config.get(key))
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is not None:
+            return int(v)
+    raise ValueError(
+        "the target config has no pad_token_id or eos_token_id: set train.parallel_token_id"
+    )
+
+
 def config_from_export(conf: dict[str, Any]) -> DraftConfig:
     """The config of a vLLM-format export's ``config.json`` (the speculators format unwrapped to
     it)."""
+    ptd = conf.get("ptd_token_id")
     return DraftConfig.from_target(
         conf,
         int(conf["draft_vocab_size"]),
         conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
         target_hidden_size=int(conf["target_hidden_size"]),
         norm_before_residual=bool(conf.get("norm_before_residual", False)),
+        parallel_depths=int(conf.get("parallel_drafting_depths") or 0) if ptd is not None else 0,
+        parallel_token_id=None if ptd is None else int(ptd),
     )
 
 
@@ -314,6 +343,8 @@ def llama_weight_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         "midlayer.mlp.down_proj.weight": (h, cfg.intermediate_size),
         "norm.weight": (h,),
         "lm_head.weight": (cfg.draft_vocab_size, h),
+        # vLLM's mask_hidden buffer is [1, fc input]; it loads any tensor named so as view(1, -1)
+        **({"mask_hidden": (1, cfg.fc_input_size)} if cfg.parallel_depths else {}),
     }
 
 
@@ -360,5 +391,6 @@ __all__ = [
     "config_from_export",
     "llama_fields",
     "llama_weight_shapes",
+    "placeholder_token",
     "rope_inv_freq",
 ]

@@ -42,6 +42,9 @@ class DraftArch:
         None
     )  # raises if vLLM could not load the export
     speculators_format: bool = False  # the speculators format can describe its layer
+    # vLLM serves it with parallel_drafting (its model class loads mask_hidden: llama_eagle3.py
+    # and qwen3_eagle3.py do, deepseek_eagle3.py does not in 0.32)
+    parallel_drafting: bool = False
 
     @property
     def vllm_architecture(self) -> str:
@@ -58,6 +61,7 @@ DRAFTS: dict[str, DraftArch] = {
         vllm_fields=llama.llama_fields,
         config_from_export=llama.config_from_export,
         speculators_format=True,
+        parallel_drafting=True,
     ),
     "mla": DraftArch(
         name="mla",

@@ -22,6 +22,12 @@ def draft_overrides(cfg: Any) -> dict[str, Any]:
     describes the draft train builds: a second copy had lost ``norm_before_residual`` (issue 38).
     Unset fields are left out, so the target's own value (or the config's default) stands."""
     tc = cfg.train
+    if tc.parallel_depths and not draft_arch(cfg.draft_arch).parallel_drafting:
+        raise ValueError(
+            f"train.parallel_depths {tc.parallel_depths}: vLLM 0.32 serves parallel drafting for "
+            f"Llama and Qwen3 EAGLE-3 drafts only (its {cfg.draft_arch} draft has no mask_hidden): "
+            "set train.parallel_depths=0 (docs/train.md, Parallel drafting)"
+        )
     return {
         k: v
         for k, v in {
@@ -29,6 +35,8 @@ def draft_overrides(cfg: Any) -> dict[str, Any]:
             "num_key_value_heads": tc.draft_num_key_value_heads,
             "intermediate_size": tc.draft_intermediate_size,
             "norm_before_residual": tc.norm_before_residual or None,
+            "parallel_depths": tc.parallel_depths or None,
+            "parallel_token_id": tc.parallel_token_id if tc.parallel_depths else None,
         }.items()
         if v is not None
     }

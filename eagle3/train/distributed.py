@@ -79,6 +79,7 @@ def wrap_for_training(
     ttt_steps: int,
     ttt_decay: float,
     impl: str = "eager",
+    parallel: int = 0,
 ) -> nn.Module:
     """:class:`TTTObjective` around the draft, under DDP or FSDP unless ``d.mode == "single"``.
 
@@ -91,8 +92,9 @@ def wrap_for_training(
     whichever way they are grouped; what is sharded is the fp32 master weights, the gradients after
     the reduce-scatter and AdamW's moments. Every rank builds the same initial weights (same seed).
     Build the optimizer after this (FSDP replaces the parameters by sharded ones). ``impl``: the
-    TTT step, ``eager`` (reference) or ``fast`` (:mod:`eagle3.train.ttt_fast`)."""
-    net = TTTObjective(draft, ttt_steps, ttt_decay, impl)
+    TTT step, ``eager`` (reference) or ``fast`` (:mod:`eagle3.train.ttt_fast`); ``parallel``: the
+    parallel-drafting depths trained beside the TTT steps (:mod:`eagle3.train.ttt`)."""
+    net = TTTObjective(draft, ttt_steps, ttt_decay, impl, parallel)
     if d.mode == "single":
         return net
     if d.mode == "ddp":

@@ -41,16 +41,24 @@ def flops_per_token(
     ttt: int,
     head_trainable: bool = True,
     argmax_once: bool = False,
+    parallel: int = 0,
 ) -> dict[str, float]:
-    """The terms of the module docstring and their ``total``, FLOPs per token."""
+    """The terms of the module docstring and their ``total``, FLOPs per token. ``parallel``:
+    the parallel-drafting depths trained beside the TTT steps: each depth d >= 1 is one more
+    pass of the layer and the head, its query seeing the causal keys and d diagonals as TTT step
+    d does (eagle3.train.ttt.loss_offsets)."""
+    from eagle3.train.ttt import loss_offsets
+
     h = cfg.hidden_size
     n_fc = h * cfg.fc_input_size
     heads, dqk, dv = attention_dims(cfg)
-    pairs = sum((seq + 1) / 2 + i for i in range(ttt))
+    offsets = loss_offsets(ttt, parallel)
+    passes = len(offsets)
+    pairs = sum((seq + 1) / 2 + i for i in offsets)
     terms = {
         "fc": 4.0 * n_fc,
-        "layer": 6.0 * layer_params * ttt,
-        "lm_head": (6.0 if head_trainable else 4.0) * cfg.draft_vocab_size * h * ttt,
+        "layer": 6.0 * layer_params * passes,
+        "lm_head": (6.0 if head_trainable else 4.0) * cfg.draft_vocab_size * h * passes,
         "attention": 6.0 * heads * (dqk + dv) * pairs,
         "target_head": 2.0 * (cfg.draft_vocab_size if argmax_once else cfg.vocab_size) * h,
     }
@@ -84,6 +92,5 @@ def run_flops_per_token(model: Any, tc: Any, ds: Any) -> float:
     the fast step's target head at its draft rows (the full-vocab argmax once per sample)."""
     n = len(ds)
     seq = sum(min(ds.length(i), tc.max_seq_len) for i in range(n)) / max(n, 1)
-    return flops_per_token(
-        model.config, layer_params(model), round(seq), tc.ttt_steps, not tc.freeze_head, True
-    )["total"]
+    args = (round(seq), tc.ttt_steps, not tc.freeze_head, True, tc.parallel_depths)
+    return flops_per_token(model.config, layer_params(model), *args)["total"]

@@ -47,6 +47,7 @@ from eagle3.train.resume_guard import extract_identity, resumable
 from eagle3.train.step import make_autocast, resolve_step_impl, train_step_async
 from eagle3.train.step_fast import PendingStep, StepResult
 from eagle3.train.target import TargetHead, load_target_head
+from eagle3.train.ttt import column_names
 from eagle3.train.weight_cast import set_weight_cast
 from eagle3.vocab import VocabMapping, load_vocab
 
@@ -248,7 +249,7 @@ def set_up(
     compiled = maybe_compile(model, tc.compile, dev, impl, d.mode)
     weight_cast = set_weight_cast(model, tc.weight_cast, dev, impl, d.mode)
     head = load_target_head(target_dir, vocab.draft_ids, model.config.rms_norm_eps).to(dev)
-    net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay, impl)
+    net = wrap_for_training(model, d, dev, tc.ttt_steps, tc.ttt_decay, impl, tc.parallel_depths)
     # fused AdamW (and its found_inf NaN guard) on CUDA; not under FSDP, whose DTensor
     # parameters have not been run through it on a GPU here (the host-side guard is used there)
     fused = impl == "fast" and dev.type == "cuda" and d.mode != "fsdp"
@@ -368,7 +369,7 @@ def run_epochs(
                 queue.settle()
                 run.save(state)
         queue.settle()
-        state.history.append(epoch_metrics(state))
+        state.history.append(epoch_metrics(state, column_names(tc.ttt_steps, tc.parallel_depths)))
         state.history[-1]["s"] = round(time.perf_counter() - epoch_t0, 2)  # resumed: the rest
         if isinstance(run.ds, OnlineStates):  # where this epoch's states came from
             state.history[-1]["states"] = run.ds.take_epoch()
@@ -402,8 +403,6 @@ def optimizer_step(
         run.trainable,
         micro,
         d,
-        tc.ttt_steps,
-        tc.ttt_decay,
         tc.grad_clip,
         autocast,
     )

@@ -25,7 +25,7 @@ from eagle3.train.step_fast import (
     forward_backward,
     global_denominator,
 )
-from eagle3.train.ttt import step_counts
+from eagle3.train.ttt import objective
 
 
 def train_step(
@@ -34,8 +34,6 @@ def train_step(
     params: list[torch.Tensor],
     micro: list[Batch],
     d: Dist,
-    ttt_steps: int,
-    ttt_decay: float,
     grad_clip: float,
     autocast: contextlib.AbstractContextManager,
     marks: Marks = None,
@@ -47,9 +45,7 @@ def train_step(
     FSDP's gradient averaging. A non-finite loss or gradient norm anywhere skips the step on every
     rank alike (the all-reduced sums and the norm of the all-reduced gradients are the same on all).
     ``marks(name)`` is called at the end of each phase (forward, backward, optimizer)."""
-    pending = train_step_async(
-        net, opt, params, micro, d, ttt_steps, ttt_decay, grad_clip, autocast, marks
-    )
+    pending = train_step_async(net, opt, params, micro, d, grad_clip, autocast, marks)
     return pending if isinstance(pending, StepResult) else pending.resolve()
 
 
@@ -61,7 +57,7 @@ def resolve_step_impl(setting: str) -> str:
 
 def step_impl(net: nn.Module) -> str:
     """``eager`` or ``fast``: what the TTT objective (under DDP: its ``.module``) was built with."""
-    return getattr(getattr(net, "module", net), "impl", "eager")
+    return getattr(objective(net), "impl", "eager")
 
 
 def train_step_async(
@@ -70,19 +66,17 @@ def train_step_async(
     params: list[torch.Tensor],
     micro: list[Batch],
     d: Dist,
-    ttt_steps: int,
-    ttt_decay: float,
     grad_clip: float,
     autocast: contextlib.AbstractContextManager,
     marks: Marks = None,
 ) -> StepResult | PendingStep:
     """:func:`train_step`, the fast step's metrics left on their way to the host."""
     if step_impl(net) == "fast":
-        args = (ttt_steps, ttt_decay, grad_clip, autocast, marks)
-        return fast_train_step(net, opt, params, micro, d, *args)
+        return fast_train_step(net, opt, params, micro, d, grad_clip, autocast, marks)
     mark = marks or (lambda _name: None)
-    denom = global_denominator(sum(step_counts(b, ttt_steps) for b in micro), d)
-    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=denom.device)  # ce, correct, n
+    obj = objective(net)
+    denom = global_denominator(sum(obj.counts(b) for b in micro), d)
+    sums = torch.zeros(3, len(obj.offsets), dtype=torch.float64, device=denom.device)  # ce, ok, n
     for stats in forward_backward(net, micro, d, denom, autocast, mark):
         sums += torch.tensor(
             [[s["sum"] for s in stats], [s["correct"] for s in stats], [s["count"] for s in stats]],
@@ -97,9 +91,9 @@ def train_step_async(
             "correct": int(sums[1, i]),
             "count": int(sums[2, i]),
         }
-        for i in range(ttt_steps)
+        for i in range(len(obj.offsets))
     ]
-    total = sum(ttt_decay**i * s["loss"] for i, s in enumerate(per_step))
+    total = sum(obj.ttt_decay**i * s["loss"] for i, s in zip(obj.offsets, per_step))
     gnorm_t = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     gnorm = float(gnorm_t.full_tensor() if isinstance(gnorm_t, DTensor) else gnorm_t)
     finite = math.isfinite(total) and math.isfinite(gnorm)

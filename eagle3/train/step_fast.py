@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from eagle3.train.batch import Batch
 from eagle3.train.distributed import Dist, grad_sync
-from eagle3.train.ttt_fast import fast_counts
+from eagle3.train.ttt import objective
 
 Marks = Callable[[str], None] | None
 
@@ -33,7 +33,7 @@ Marks = Callable[[str], None] | None
 @dataclass
 class StepResult:
     loss: float  # global weighted TTT loss (nan/inf: the step was skipped)
-    stats: list[dict]  # global, per TTT step: {loss, correct, count}
+    stats: list[dict]  # global, per loss column (eagle3.train.ttt): {loss, correct, count}
     grad_norm: float
     finite: bool  # the optimizer stepped
 
@@ -44,7 +44,7 @@ class PendingStep:
     def __init__(
         self, total: torch.Tensor, sums: torch.Tensor, gnorm: torch.Tensor, finite: torch.Tensor
     ) -> None:
-        self.ttt_steps = sums.shape[1]
+        self.columns = sums.shape[1]
         packed = torch.cat(
             [total.view(1), gnorm.double().view(1), finite.double().view(1), sums.flatten()]
         )
@@ -55,12 +55,12 @@ class PendingStep:
             self.event.record()
         self.packed = packed
 
-    def resolve(self, ttt_decay: float | None = None) -> StepResult:
+    def resolve(self) -> StepResult:
         """Wait for this step only (not for what was queued after it) and read its metrics."""
         if self.event is not None:
             self.event.synchronize()
         v = self.packed.tolist()
-        k = self.ttt_steps
+        k = self.columns
         ce, correct, count = v[3 : 3 + k], v[3 + k : 3 + 2 * k], v[3 + 2 * k :]
         per_step = [
             {"loss": ce[i] / max(count[i], 1.0), "correct": int(correct[i]), "count": int(count[i])}
@@ -136,8 +136,6 @@ def fast_train_step(
     params: list[torch.Tensor],
     micro: list[Batch],
     d: Dist,
-    ttt_steps: int,
-    ttt_decay: float,
     grad_clip: float,
     autocast: contextlib.AbstractContextManager,
     marks: Marks = None,
@@ -146,15 +144,14 @@ def fast_train_step(
     per-step denominators of the global batch all-reduced first, x ``d.world`` against the
     gradient averaging, a non-finite loss or norm skips the step on every rank alike)."""
     mark = marks or (lambda _name: None)
-    denom = global_denominator(sum(fast_counts(b, ttt_steps) for b in micro), d)
-    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=denom.device)
+    obj = objective(net)
+    denom = global_denominator(sum(obj.counts(b) for b in micro), d)
+    sums = torch.zeros(3, len(obj.offsets), dtype=torch.float64, device=denom.device)
     for stats in forward_backward(net, micro, d, denom, autocast, mark):
         sums += stats
     if d.world > 1:
         dist.all_reduce(sums)
-    # computed on the device: torch.tensor(list, device=cuda) is a blocking host copy
-    decay = ttt_decay ** torch.arange(ttt_steps, dtype=torch.float64, device=sums.device)
-    total = (decay * sums[0] / sums[2].clamp(min=1)).sum()
+    total = (obj.weights(sums.device) * sums[0] / sums[2].clamp(min=1)).sum()
     gnorm = clip_gradients(opt, params, grad_clip)
     finite = torch.isfinite(total) & torch.isfinite(gnorm)
     step_if_finite(opt, finite)

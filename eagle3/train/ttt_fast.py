@@ -25,6 +25,7 @@ import torch
 from eagle3.draft import DraftModel
 from eagle3.draft.ttt_attention import TTTPrefix
 from eagle3.train.batch import Batch, shift_left
+from eagle3.train.ttt import loss_offsets, step_counts
 from eagle3.train.weight_cast import cast_context
 
 
@@ -74,34 +75,37 @@ class SoftCrossEntropy(torch.autograd.Function):
         return ctx.backward_impl(logits, probs, psum, grad), None, None
 
 
-def fast_unroll(model: DraftModel, batch: Batch, ttt_steps: int):
-    """Yield (step i, logits [B, L-1-i, D]: the positions with a target) of the unrolled draft
-    (the reference's unroll, with the step-0 keys + diagonals attention of :class:`TTTPrefix`
-    instead of a mask and a KV concatenation)."""
-    L = batch.input_ids.shape[1]
-    pos = torch.arange(L, device=batch.input_ids.device)
+def fast_unroll(model: DraftModel, batch: Batch, ttt_steps: int, parallel: int = 0):
+    """Yield (chain position i, logits [B, L-1-i, D]: the positions with a target) of each loss
+    column (the reference's unroll, with the step-0 keys + diagonals attention of
+    :class:`TTTPrefix` instead of a mask and a KV concatenation; the parallel depths start their
+    own prefix from step 0's keys)."""
+    L, dev = batch.input_ids.shape[1], batch.input_ids.device
+    pos = torch.arange(L, device=dev)
     hidden = batch.aux
     prefix: TTTPrefix | None = None
+    kv0 = None
     for i in range(ttt_steps):
         ids = shift_left(batch.input_ids, 1 + i)
         out, logits, kv = model(
-            ids,
-            hidden,
-            position_ids=pos + i,
-            past_kv=prefix,
-            use_cache=True,
+            ids, hidden, position_ids=pos + i, past_kv=prefix, use_cache=True,
             logits_len=max(L - 1 - i, 0),
-        )
+        )  # fmt: skip
         yield i, logits
+        kv0 = kv if kv0 is None else kv0
         if i + 1 < ttt_steps:
             prefix = TTTPrefix.start(kv, ttt_steps) if prefix is None else prefix.extend(kv)
         hidden = out
-
-
-def fast_counts(batch: Batch, ttt_steps: int) -> torch.Tensor:
-    """Counted positions of each TTT step, int64 [ttt_steps], on the device (no copies)."""
-    ok = batch.target_ok
-    return torch.stack([ok[:, 1 + i :].sum() for i in range(ttt_steps)])
+    if parallel > 1:
+        embeds, mask_h = model.placeholder(*batch.input_ids.shape)
+        prefix = TTTPrefix.start(kv0, parallel)
+        for d in range(1, parallel):
+            _, logits, kv = model(
+                batch.input_ids, mask_h, position_ids=pos + d, past_kv=prefix, use_cache=True,
+                inputs_embeds=embeds, logits_len=max(L - 1 - d, 0),
+            )  # fmt: skip
+            yield d, logits
+            prefix = prefix.extend(kv)
 
 
 def fast_ttt_loss(
@@ -110,20 +114,22 @@ def fast_ttt_loss(
     ttt_steps: int,
     ttt_decay: float,
     denom: torch.Tensor | None = None,
+    parallel: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted loss, per-step sums [3, K] float64 on the device: CE sum, correct, count).
+    """(weighted loss, per-column sums [3, columns] float64 on the device: CE sum, correct,
+    count).
 
-    Step i's loss is its CE summed over counted positions over ``denom[i]`` (default: this
+    Column c's loss is its CE summed over counted positions over ``denom[c]`` (default: this
     batch's count), as :func:`eagle3.train.ttt.ttt_loss`."""
     L = batch.input_ids.shape[1]
     dev = batch.input_ids.device
     if denom is None:
-        denom = fast_counts(batch, ttt_steps).clamp(min=1).float()
+        denom = step_counts(batch, ttt_steps, parallel).clamp(min=1).float()
     total = torch.zeros((), device=dev)
-    sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=dev)
+    sums = torch.zeros(3, len(loss_offsets(ttt_steps, parallel)), dtype=torch.float64, device=dev)
     impl = getattr(model, "ce_impl", CE_EAGER)
     with cast_context(model, dev.type):
-        for i, logits in fast_unroll(model, batch, ttt_steps):
+        for c, (i, logits) in enumerate(fast_unroll(model, batch, ttt_steps, parallel)):
             k = 1 + i
             if k >= L:  # nothing left to predict (a batch shorter than the unroll)
                 total = total + 0.0 * logits.sum()
@@ -132,13 +138,13 @@ def fast_ttt_loss(
             ok = batch.target_ok[:, k:]
             ce = SoftCrossEntropy.apply(lg, batch.probs[:, k:], impl)
             ce_sum = (ce * ok).sum()
-            total = total + (ttt_decay**i) * (ce_sum / denom[i])
+            total = total + (ttt_decay**i) * (ce_sum / denom[c])
             with torch.no_grad():
                 correct = ((lg.argmax(-1) == batch.target_arg[:, k:]) & ok).sum()
-                sums[:, i] = torch.stack(
+                sums[:, c] = torch.stack(
                     [ce_sum.detach().double(), correct.double(), ok.sum().double()]
                 )
     return total, sums
 
 
-__all__ = ["SoftCrossEntropy", "fast_counts", "fast_ttt_loss", "fast_unroll"]
+__all__ = ["SoftCrossEntropy", "fast_ttt_loss", "fast_unroll"]

@@ -85,6 +85,7 @@ def chain_accepts(
     lengths: torch.Tensor,
     k: int,
     draft_to_target: torch.Tensor,
+    parallel: bool = False,
 ) -> torch.Tensor:
     """Accepted draft tokens (0..k) of a chain started at EVERY position, for a padded batch.
 
@@ -96,7 +97,11 @@ def chain_accepts(
     it was fed (its own guess) IS the true token x[p+1+i]. So feeding the true tokens to every
     position at once (the training-time-test unroll: step i at row p sees the step-0 keys <= p
     and the keys of its own earlier steps at row p, RoPE position p+i) gives the same leading
-    matches. ``tests/test_offline_estimate.py`` checks the two agree."""
+    matches. ``tests/test_offline_estimate.py`` checks the two agree.
+
+    ``parallel``: the draft proposes its k tokens in one pass (vLLM's ``parallel_drafting``):
+    positions 1.. of the chain are the parallel depths of the training unroll, which never read
+    a guess, so they are exact at every row as well."""
     from types import SimpleNamespace
 
     from eagle3.train import shift_left, ttt_unroll
@@ -105,8 +110,9 @@ def chain_accepts(
     pos = torch.arange(L, device=ids.device)
     valid = torch.ones(b, L, dtype=torch.bool, device=ids.device)
     acc = torch.zeros(b, L, dtype=torch.int64, device=ids.device)
+    steps, depths = (1, k) if parallel else (k, 0)
     for i, _, logits in ttt_unroll(
-        draft, SimpleNamespace(input_ids=ids, aux=aux), k
+        draft, SimpleNamespace(input_ids=ids, aux=aux), steps, depths
     ):  # the training unroll
         guess = draft_to_target[logits.argmax(-1)]
         exists = (pos + 2 + i)[None, :] < lengths[:, None]
@@ -186,6 +192,7 @@ def offline_acceptance(
     ngram_lookup: tuple[int, int] | None = (1, 4),
     ks: Sequence[int] = (),
     groups: Sequence[str | None] | None = None,
+    parallel: bool = False,
 ) -> dict[str, Any]:
     """Estimate acceptance of the exported draft in ``draft_dir`` for the target in ``target_dir``
     on ``sequences`` = [(prompt_token_ids, greedy_output_token_ids)].
@@ -196,7 +203,8 @@ def offline_acceptance(
     largest k (a chain's leading matches at a smaller k are its matches at the largest, capped).
     ``groups`` (one label per sequence, e.g. the MT-bench category): also ``by_group`` (in
     each ``by_k`` entry too); ``max_sequences`` of them are then taken from each group in turn
-    (:func:`spread`)."""
+    (:func:`spread`). ``parallel``: the draft served with parallel drafting
+    (:func:`chain_accepts`)."""
     from transformers import AutoModelForCausalLM
 
     from eagle3.target_checkpoint import checkpoint_dir
@@ -226,6 +234,7 @@ def offline_acceptance(
             torch.tensor([ids.numel()], device=device),
             kmax,
             draft_to_target,
+            parallel,
         )
         walks.append((acc[0].tolist(), len(prompt) - 1, ids.numel(), group))
 
