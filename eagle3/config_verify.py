@@ -4,6 +4,8 @@ Its values key the verify stage's artifacts, except the fields marked ``UNKEYED`
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 
 from eagle3.config_sections import UNKEYED, _Section
@@ -18,6 +20,13 @@ class VerifyConfig(_Section):
         "k for the draft and the n-gram baseline: tokens/s predicted for every k from one offline "
         "pass and few servers, the predicted best served, the best measured k promoted with the "
         "draft as its serving config (docs/verify.md, 'Which k').",
+    )
+    parallel_drafting: Literal["auto", "off"] = Field(
+        "auto",
+        description="A draft trained for parallel drafting (train.parallel_depths) is also "
+        "served with vLLM's parallel_drafting at the ks of the sweep up to its trained depths, "
+        "and the faster way (by measured tokens/s, per concurrency) goes into serving.json. "
+        "off: sequential drafting only.",
     )
     sweep_servers: int = Field(
         3,

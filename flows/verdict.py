@@ -31,7 +31,7 @@ class Choice:
     """The fastest way to serve at one concurrency, and the draft's figure beside it."""
 
     concurrency: str
-    method: str  # "draft", "n-gram" or "the target alone"
+    method: str  # "draft", "draft (parallel drafting)", "n-gram" or "the target alone"
     k: int | None
     tokens_per_s: float
     speedup: float | None
@@ -39,7 +39,7 @@ class Choice:
 
     @property
     def draft_wins(self) -> bool:
-        return self.method == "draft"
+        return self.method.startswith("draft")
 
     def text(self) -> str:
         what = self.method + (f" k={self.k}" if self.k is not None else "")
@@ -50,8 +50,15 @@ class Choice:
             return head + ")"
         d = self.draft
         return head + (
-            f"; the draft k={d['num_speculative_tokens']}: {fmt(d['tokens_per_s'], 1)} tok/s)"
+            f"; the {draft_method(d)} k={d['num_speculative_tokens']}: "
+            f"{fmt(d['tokens_per_s'], 1)} tok/s)"
         )
+
+
+def draft_method(entry: dict[str, Any]) -> str:
+    """The draft's way of drafting in a serving entry (parallel drafting: one draft pass
+    proposes all k tokens)."""
+    return "draft (parallel drafting)" if entry.get("method") == "parallel" else "draft"
 
 
 def choices(serving: dict[str, Any]) -> list[Choice]:
@@ -60,7 +67,7 @@ def choices(serving: dict[str, Any]) -> list[Choice]:
     out = []
     for c, e in serving.items():
         tps, speedup = e.get("tokens_per_s"), e.get("speedup")
-        cands = [("draft", e["num_speculative_tokens"], tps, speedup)]
+        cands = [(draft_method(e), e["num_speculative_tokens"], tps, speedup)]
         ng = e.get("ngram")
         if ng and ng.get("tokens_per_s") is not None:
             cands.append(

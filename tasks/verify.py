@@ -154,6 +154,7 @@ def _serving_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "concurrency": int(c),
+                "draft drafting": e.get("method", "sequential"),
                 "draft k": e["num_speculative_tokens"],
                 "draft tok/s": e["tokens_per_s"],
                 "draft speedup": e["speedup"],

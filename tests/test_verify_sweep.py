@@ -82,7 +82,7 @@ def test_one_server_leans_on_the_baseline_and_reports_its_error():
     assert sorted(every.measured) == KS  # the bench's mode: every k served, one prediction
     assert len(every.checks) == 2 * 4 and any(ch["error"] > 0.05 for ch in every.checks)
     rec = serving_recommendation(
-        every, every, BASE, lambda k: {"method": "eagle3", "num_speculative_tokens": k}
+        every, every, BASE, lambda k, _par: {"method": "eagle3", "num_speculative_tokens": k}
     )
     want = truth(over, per)
     for c in BASE:
@@ -118,3 +118,36 @@ def test_a_jump_after_k1_is_caught_by_serving_the_predicted_best():
     for c in BASE:
         assert sw.best_predicted()[c] == best(want[c])
         assert sw.predicted[c][2] == pytest.approx(want[c][2])  # exact where served
+
+
+def test_parallel_drafting_is_flat_and_the_faster_way_is_served():
+    """A parallel-drafting sweep served at one k predicts every k from that k's step time (one
+    draft pass whatever k), not from the line to the baseline; per concurrency the draft's faster
+    way wins, and serving.json's config then carries parallel_drafting."""
+    assert step_time(2, [(4, 0.05)], 0.02, flat=True) == pytest.approx(0.05)
+    par_al = {1: 1.7, 2: 2.2, 3: 2.6, 4: 2.9}  # the parallel draft keeps accepting further out
+    seq_measure, _ = server({1: 0.008, 8: 0.002}, {1: 0.004, 8: 0.001})
+
+    def par_measure(k: int):  # a flat step: one draft pass, the verification of k + 1 tokens
+        t = {1: 1 / BASE[1] + 0.010 + 0.0005 * k, 8: 1 / BASE[8] + 0.002 + 0.002 * k}
+        return {c: par_al[k] / t[c] for c in BASE}, {}
+
+    seq = run_sweep("draft", KS, AL, BASE, seq_measure, servers=2, log=lambda _m: None)
+    par = run_sweep(
+        "parallel", [1, 2, 3, 4], par_al, BASE, par_measure, servers=1, flat=True,
+        log=lambda _m: None,
+    )  # fmt: skip
+    assert par.served == [4] and par.predicted[1][2] == pytest.approx(
+        par_al[2] / (par_al[4] / par.measured[4][1])
+    )
+    spec = lambda k, p: {"num_speculative_tokens": k, **({"parallel_drafting": True} if p else {})}  # noqa: E731
+    rec = serving_recommendation(seq, None, BASE, spec, par)
+    for c in ("1", "8"):
+        e = rec[c]
+        k_seq = seq.best_measured()[int(c)]
+        faster_par = par.measured[4][int(c)] > seq.measured[k_seq][int(c)]
+        assert e["method"] == ("parallel" if faster_par else "sequential")
+        assert e["speculative_config"].get("parallel_drafting", False) == faster_par
+        assert e["other_method"]["method"] == ("sequential" if faster_par else "parallel")
+    assert rec["1"]["method"] == "parallel"  # c=1: the flat step pays at k=4
+    assert rec["8"]["method"] == "sequential"  # c=8: verification costs grow, k=1 sequential wins

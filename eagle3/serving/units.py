@@ -34,10 +34,14 @@ def _wrap(argv: list[str], width: int = 100) -> str:
     return " \\\n    ".join(parts)
 
 
-def speculative_config(cfg: PipelineConfig, draft: str, k: int | None = None) -> dict:
+def speculative_config(
+    cfg: PipelineConfig, draft: str, k: int | None = None, parallel: bool = False
+) -> dict:
     """The ``--speculative-config`` the verify stage serves a draft with (k: one of a sweep's;
-    default ``verify.k``)."""
-    return {"method": "eagle3", "model": draft, "num_speculative_tokens": k or cfg.verify.k}
+    default ``verify.k``; ``parallel``: all k tokens in one draft pass, vLLM's
+    ``parallel_drafting``, for a draft trained with ``train.parallel_depths``)."""
+    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k or cfg.verify.k}
+    return {**spec, "parallel_drafting": True} if parallel else spec
 
 
 def render_unit(

@@ -20,7 +20,7 @@ from eagle3.verify.client import WorkloadRun, run_workload, warmup
 from eagle3.verify.metrics import Snapshot, snapshot
 from eagle3.verify.ngram import simulate_ngram
 from eagle3.verify.ngram_baseline import ngram_speculative_config
-from eagle3.verify.sweep import MethodSweep, acceptance_from_positions, run_sweep
+from eagle3.verify.sweep import MethodSweep, acceptance_from_positions, best_draft, run_sweep
 from eagle3.verify.workload import Conversation
 
 Window = tuple[WorkloadRun, Snapshot, Snapshot]
@@ -208,16 +208,33 @@ def per_position(windows: list[Window]) -> dict[int, float]:
     return dict(enumerate(total.summary()["acceptance_per_position"]))
 
 
-def chosen_ks(cfg: Any, sweeps: tuple[MethodSweep, MethodSweep | None] | None) -> tuple[int, int]:
-    """The k the report is made at, for the draft and for n-gram: each method's best measured k
-    at the lowest concurrency (the one k of a single-k verify)."""
+Sweeps = tuple[MethodSweep, MethodSweep | None, MethodSweep | None]
+"""The draft's sweep (sequential drafting), the n-gram's, and the draft's parallel-drafting one."""
+
+
+def chosen_ks(cfg: Any, sweeps: Sweeps | None) -> tuple[int, int, bool]:
+    """What the report is made at: the draft's k, the n-gram's k, and whether the draft is served
+    with parallel drafting there: each method's best measured k at the lowest concurrency, the
+    draft's faster way at it (``best_draft``; the one k of a single-k verify)."""
     if sweeps is None:
-        return cfg.verify.k, cfg.verify.k
+        return cfg.verify.k, cfg.verify.k, False
     c = min(cfg.verify.concurrency)
-    draft, ngram = sweeps
-    kd = draft.best_measured()[c]
+    draft, ngram, parallel = sweeps
+    sw = best_draft(draft, parallel)[c]
+    kd = sw.best_measured()[c]
     kn = ngram.best_measured()[c] if ngram and ngram.measured else kd
-    return kd, kn
+    return kd, kn, sw is parallel
+
+
+def parallel_ks(cfg: Any, draft_dir: Path) -> list[int]:
+    """The sweep's ks the draft serves with parallel drafting: those up to the depths it was
+    trained for (its config.json's ``parallel_drafting_depths``); none for a sequential draft or
+    ``verify.parallel_drafting: off``."""
+    if cfg.verify.parallel_drafting == "off":
+        return []
+    conf = json.loads((draft_dir / "config.json").read_text())
+    depths = int(conf.get("parallel_drafting_depths") or 0)
+    return [k for k in cfg.verify.ks if k <= depths] if conf.get("ptd_token_id") is not None else []
 
 
 def measure_sweep(
@@ -228,12 +245,14 @@ def measure_sweep(
     logs: Path,
     log: Callable[[str], None],
     on_progress: Progress | None,
-    estimate: Callable[[WorkloadRun], dict[str, Any] | None],
-) -> tuple[Arms, tuple[MethodSweep, MethodSweep | None], dict[str, Any] | None]:
+    estimate: Callable[[WorkloadRun, bool], dict[str, Any] | None],
+) -> tuple[Arms, Sweeps, dict[str, Any] | None]:
     """The k sweep: the baseline, acceptance at every k (``estimate``: the offline estimate on a
     baseline window, every k; else the largest k's counters; the n-gram simulated on the same
-    outputs), then each method served at its ends and predicted best (eagle3.verify.sweep); the
-    arms at each method's chosen k, both sweeps, and the offline estimate."""
+    outputs), then each method served at its ends and predicted best (eagle3.verify.sweep): the
+    draft, the draft with parallel drafting (a draft trained for it: :func:`parallel_ks`), the
+    n-gram; the arms at the chosen ks, the sweeps, and the offline estimate of the draft's
+    chosen way of drafting."""
     v = cfg.verify
     if cfg.serve.backend != "process":
         raise ValueError(
@@ -249,16 +268,21 @@ def measure_sweep(
     brun = base[0][0]
     seqs = [(r.prompt_token_ids, r.token_ids) for r in brun.results]
     al_draft: Any = acceptance_from_positions(ks)
-    offline = estimate(brun)
+    offline = estimate(brun, False)
     if offline is not None:
         al_draft = {k: offline["by_k"][k]["acceptance_length"] or 1.0 for k in ks}
+    pks = parallel_ks(cfg, draft_dir)
+    al_par: Any = acceptance_from_positions(pks)
+    offline_par = estimate(brun, True) if pks else None
+    if offline_par is not None:
+        al_par = {k: offline_par["by_k"][k]["acceptance_length"] or 1.0 for k in pks}
     servers: dict[tuple[str, int], tuple[list[Window], dict[str, Any]]] = {}
 
     def serve(method: str, k: int) -> tuple[dict[int, float], dict[int, float]]:
         ck = with_k(cfg, k)
-        if method == "draft":
-            spec = speculative_config(cfg, str(draft_dir), k)
-            srv = speculative_server(ck, model, spec, logs / f"draft-k{k}")
+        if method in ("draft", "parallel"):
+            spec = speculative_config(cfg, str(draft_dir), k, method == "parallel")
+            srv = speculative_server(ck, model, spec, logs / f"{method}-k{k}")
         else:
             srv = ngram_server(ck, model, ngram_speculative_config(ck), logs / f"ngram-k{k}")
         assert not isinstance(srv, str)  # the process backend always starts one
@@ -270,6 +294,11 @@ def measure_sweep(
 
     common = {"servers": v.sweep_servers, "measure_all": v.sweep_measure_all, "log": log}
     draft = run_sweep("draft", ks, al_draft, base_tps, lambda k: serve("draft", k), **common)
+    parallel = None
+    if pks:
+        parallel = run_sweep(
+            "parallel", pks, al_par, base_tps, lambda k: serve("parallel", k), flat=True, **common
+        )
     ngram, reason = None, None
     if not v.ngram_baseline:
         reason = "verify.ngram_baseline is off"
@@ -284,11 +313,12 @@ def measure_sweep(
         except Exception as e:  # noqa: BLE001
             reason = f"the n-gram server failed: {type(e).__name__}: {e}"[:2000]
             log(f"verify: n-gram baseline not measured: {reason}")
-    kd, kn = chosen_ks(cfg, (draft, ngram))
-    for sw in (draft, ngram):
+    sweeps = (draft, ngram, parallel)
+    kd, kn, par = chosen_ks(cfg, sweeps)
+    for sw in sweeps:
         if sw is not None:
             log(f"verify: {sw.summary_line()}")
-    spec_w, spec_info = servers[("draft", kd)]
+    spec_w, spec_info = servers[("parallel" if par else "draft", kd)]
     ngram_w, ngram_info = servers.get(("ngram", kn), (None, None))
     arms = Arms(base, base_info, spec_w, spec_info, ngram_w, ngram_info, reason)
-    return arms, (draft, ngram), offline
+    return arms, sweeps, offline_par if par else offline

@@ -53,8 +53,10 @@ def _serving_lines(r: dict[str, Any]) -> list[str]:
     lines = ["", "## What to serve", ""]
     for c, e in serving.items():
         ng = e.get("ngram")
+        how = "parallel drafting, " if e.get("method") == "parallel" else ""
+        other = e.get("other_method")
         lines.append(
-            f"- concurrency {c}: **k = {e['num_speculative_tokens']}**, "
+            f"- concurrency {c}: **{how}k = {e['num_speculative_tokens']}**, "
             f"{fmt(e['tokens_per_s'], 1)} tok/s (x{fmt(e['speedup'], 2)} over the target alone)"
             + (
                 f"; n-gram at its best k = {ng['num_speculative_tokens']}: "
@@ -63,9 +65,15 @@ def _serving_lines(r: dict[str, Any]) -> list[str]:
                 if ng
                 else ""
             )
+            + (
+                f"; {other['method']} drafting at its best k = {other['num_speculative_tokens']}: "
+                f"{fmt(other['tokens_per_s'], 1)} tok/s"
+                if other
+                else ""
+            )
             + f"; `--speculative-config '{json.dumps(e['speculative_config'])}'`"
         )
-    for name in ("draft", "ngram"):
+    for name in ("draft", "parallel", "ngram"):
         m = (r.get("sweep") or {}).get(name) or {}
         for c, k in (m.get("best_predicted") or {}).items():
             if k not in m["served"]:
@@ -89,14 +97,19 @@ def _sweep_lines(r: dict[str, Any]) -> list[str]:
         "## Tokens/s for every k (predicted from the offline acceptance and the served ks' step "
         "time; measured where served)",
     ]
-    for name in ("draft", "ngram"):
+    titles = {
+        "draft": "draft (EAGLE-3)",
+        "parallel": "draft with parallel drafting (one draft pass for all k tokens)",
+        "ngram": "n-gram (prompt lookup)",
+    }
+    for name in ("draft", "parallel", "ngram"):
         m = sw.get(name)
         if not m:
             continue
         cs = list(m["predicted_tokens_per_s"])
         lines += [
             "",
-            f"**{'draft (EAGLE-3)' if name == 'draft' else 'n-gram (prompt lookup)'}**, served at "
+            f"**{titles[name]}**, served at "
             f"k = {m['served']}; best measured {m['best_measured']}, best predicted "
             f"{m['best_predicted']}",
             "",

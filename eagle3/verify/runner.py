@@ -33,6 +33,7 @@ from eagle3.serving.units import speculative_config
 from eagle3.tracking import track_verify
 from eagle3.verify.arms import (
     Arms,
+    Sweeps,
     chosen_ks,
     measure_arms,
     measure_sweep,
@@ -86,14 +87,14 @@ def verify(
     )
     cats = {c.id: c.category or "-" for c in convs}
     arms, sweeps, offline = _measure(cfg, model, draft_dir, convs, out_dir, cats, log, on_progress)
-    k_draft, k_ngram = chosen_ks(cfg, sweeps)
+    k_draft, k_ngram, parallel = chosen_ks(cfg, sweeps)
     cfg_d, cfg_n = with_k(cfg, k_draft), with_k(cfg, k_ngram)
     results = _compare(cfg_d, cfg_n, model, draft_dir, out_dir, arms, log, cats, offline)
     sweeps = sweeps or _single(cfg, arms, results)  # one k: the "sweep" is what was measured
     base_tps = tokens_per_s(arms.base)
-    serving = serving_recommendation(
-        *sweeps, base_tps, partial(speculative_config, cfg, str(draft_dir))
-    )
+    draft_sweep, ngram_sweep, parallel_sweep = sweeps
+    spec = partial(speculative_config, cfg, str(draft_dir))
+    serving = serving_recommendation(draft_sweep, ngram_sweep, base_tps, spec, parallel_sweep)
     conditions = _conditions(v, fp, k_draft, sweeps[0])
     gate = _gate(cfg, results, conditions)
     report: dict[str, Any] = {
@@ -102,6 +103,7 @@ def verify(
         "target": model,
         "draft_dir": str(draft_dir),
         "num_speculative_tokens": k_draft,
+        "parallel_drafting": parallel,
         "temperature": v.temperature,
         "max_tokens": v.max_tokens,
         "workload": {
@@ -158,7 +160,7 @@ def _conditions(v: Any, fp: str, k_draft: int, draft_sweep: MethodSweep) -> dict
 
 def _sweep_section(
     ks: list[int],
-    sweeps: tuple[MethodSweep, MethodSweep | None],
+    sweeps: Sweeps,
     base_tps: dict[int, float],
     k_ngram: int,
 ) -> dict[str, Any]:
@@ -166,6 +168,7 @@ def _sweep_section(
         "ks": ks,
         "draft": sweeps[0].to_dict(),
         "ngram": sweeps[1].to_dict() if sweeps[1] else None,
+        "parallel": sweeps[2].to_dict() if sweeps[2] else None,
         "baseline_tokens_per_s": {str(c): t for c, t in base_tps.items()},
         "ngram_num_speculative_tokens": k_ngram,
     }
@@ -180,24 +183,22 @@ def _measure(
     categories: dict[str, str],
     log: Callable[[str], None],
     on_progress: Callable[[str, int, int, int], None] | None,
-) -> tuple[Arms, tuple[MethodSweep, MethodSweep | None] | None, dict[str, Any] | None]:
+) -> tuple[Arms, Sweeps | None, dict[str, Any] | None]:
     """The servers: one k (three arms), or a k sweep with the offline estimate at every k."""
     v = cfg.verify
     if len(v.ks) == 1:
         spec = speculative_config(cfg, str(draft_dir))
         return measure_arms(cfg, model, spec, convs, out_dir / "logs", log, on_progress), None, None
 
-    def estimate(brun: WorkloadRun) -> dict[str, Any] | None:
+    def estimate(brun: WorkloadRun, parallel: bool) -> dict[str, Any] | None:
         if not (v.offline_estimate and v.temperature == 0 and Path(model).is_dir()):
             return None
-        return _offline(cfg, model, draft_dir, brun, v.k, v.ks, categories, log)
+        return _offline(cfg, model, draft_dir, brun, v.k, v.ks, categories, log, parallel)
 
     return measure_sweep(cfg, model, draft_dir, convs, out_dir / "logs", log, on_progress, estimate)
 
 
-def _single(
-    cfg: Any, arms: Arms, results: dict[str, Any]
-) -> tuple[MethodSweep, MethodSweep | None]:
+def _single(cfg: Any, arms: Arms, results: dict[str, Any]) -> Sweeps:
     """A single-k verify as a one-point sweep (the serving recommendation has one k)."""
     k = cfg.verify.k
     draft = MethodSweep("draft", [k], {k: results["acceptance_length"] or 1.0})
@@ -208,7 +209,7 @@ def _single(
     if arms.ngram:
         ngram = MethodSweep("ngram", [k], {})
         ngram.measured, ngram.served = {k: tokens_per_s(arms.ngram)}, [k]
-    return draft, ngram
+    return draft, ngram, None
 
 
 def _compare(
@@ -285,9 +286,10 @@ def _offline(
     ks: Any,
     categories: dict[str, str],
     log: Callable[[str], None],
+    parallel: bool = False,
 ) -> dict[str, Any]:
     """The offline PyTorch estimate on a baseline window's outputs (every k of ``ks`` from one
-    pass; per workload category)."""
+    pass; per workload category; ``parallel``: of the draft served with parallel drafting)."""
     v = cfg.verify
     t0 = time.time()
     offline = offline_acceptance(
@@ -299,11 +301,14 @@ def _offline(
         ngram_lookup=(v.ngram_prompt_lookup_min, v.ngram_prompt_lookup_max),
         ks=ks,
         groups=[categories.get(r.conversation, "-") for r in brun.results],
+        parallel=parallel,
     )
+    offline["parallel_drafting"] = parallel
     offline["wall_s"] = round(time.time() - t0, 2)
     offline["on_concurrency"] = brun.concurrency
     log(
-        f"verify: offline estimate {offline['acceptance_length']} at k={k}"
+        f"verify: offline estimate{' (parallel drafting)' if parallel else ''} "
+        f"{offline['acceptance_length']} at k={k}"
         + (
             " (every k: "
             + ", ".join(f"{kk}: {o['acceptance_length']:.3f}" for kk, o in offline["by_k"].items())

@@ -17,6 +17,12 @@ k = 1..5 with the baseline). Two things decide tokens/s at k, and both are cheap
   step, 20% more than the line from the baseline to k=3 said). With one server
   (``verify.sweep_servers: 1``) the baseline is the line's other end all the same.
 
+Parallel drafting (a draft trained with ``train.parallel_depths``, served with vLLM's
+``parallel_drafting``) is a third method: all k draft tokens come from ONE draft pass, so its
+step time barely grows with k (only the target's verification of k + 1 tokens does). Its sweep
+is ``flat``: with one served k the step time is taken as that k's at every k, not the line
+from the baseline (which would charge k draft passes); with two or more, the line through them.
+
 Predicted S(k) = AL(k) / T(k). The predicted best k of each concurrency is then served (while
 ``verify.sweep_servers`` allows) and T interpolated again with it; the prediction made before a
 server was started is kept next to what it measured (``checks``). The recommendation is the best
@@ -33,7 +39,9 @@ Measure = Callable[[int], tuple[dict[int, float], dict[int, float]]]
 """Serve at k; return ({concurrency: output tokens/s}, {position: acceptance over every window})."""
 
 
-def step_time(k: int, points: Sequence[tuple[int, float]], anchor: float) -> float:
+def step_time(
+    k: int, points: Sequence[tuple[int, float]], anchor: float, flat: bool = False
+) -> float:
     """T(k) from the served ks' measured step times: exact at a served k, linear between the two
     served ks around k, the line through the nearest two beyond them. With one served k, the line
     through it and (0, ``anchor``) (the baseline, which has no draft overhead).
@@ -43,6 +51,8 @@ def step_time(k: int, points: Sequence[tuple[int, float]], anchor: float) -> flo
     sweeps of docs/benchmarks.md "Which k", most at concurrency 8), so a least-squares line
     through the served ks kept predicting k=2 after k=2 was served and measured worse than k=1."""
     pts = sorted(dict(points).items())
+    if len(pts) == 1 and flat:  # one draft pass whatever k: the served k's time
+        return pts[0][1]
     if len(pts) == 1:
         pts = [(0, anchor), *pts]
     lo = next((i for i in range(len(pts) - 1) if k <= pts[i + 1][0]), len(pts) - 2)
@@ -55,13 +65,14 @@ def predict(
     al: dict[int, float],
     measured: dict[int, dict[int, float]],
     base: dict[int, float],
+    flat: bool = False,
 ) -> dict[int, dict[int, float]]:
     """{concurrency: {k: predicted tokens/s}} from the acceptance lengths ``al`` {k: AL}, the
     measured {k: {c: tokens/s}} and the baseline's {c: tokens/s}."""
     out: dict[int, dict[int, float]] = {}
     for c, s_base in base.items():
         points = [(k, al[k] / s[c]) for k, s in sorted(measured.items()) if s.get(c)]
-        times = {k: step_time(k, points, 1.0 / s_base) for k in ks}
+        times = {k: step_time(k, points, 1.0 / s_base, flat) for k in ks}
         out[c] = {k: al[k] / t if t > 0 else 0.0 for k, t in times.items()}
     return out
 
@@ -87,6 +98,7 @@ class MethodSweep:
     served_acceptance: dict[int, float] = field(default_factory=dict)
     # the ks the stage itself chose to serve (``served`` also holds a bench's measure-all ones)
     stage_served: list[int] = field(default_factory=list)
+    flat: bool = False  # parallel drafting: the step time barely grows with k (module doc)
 
     def best_measured(self) -> dict[int, int]:
         """{concurrency: the served k with the most tokens/s}."""
@@ -124,6 +136,7 @@ class MethodSweep:
             "checks": self.checks,
             "served_acceptance_length": {str(k): v for k, v in self.served_acceptance.items()},
             "served_by_the_stage": self.stage_served or self.served,
+            "flat_step_time": self.flat,
         }
 
 
@@ -141,6 +154,7 @@ def run_sweep(
     servers: int,
     measure_all: bool = False,
     log: Callable[[str], None] = print,
+    flat: bool = False,
 ) -> MethodSweep:
     """Serve the largest and the smallest k, predict every k, serve the predicted best of each
     concurrency while fewer than ``servers`` were served, refitting after each.
@@ -150,7 +164,7 @@ def run_sweep(
     chosen from). ``acceptance_length``: {k: AL}, or a function of the largest k's server's
     per-position acceptance (the fallback without an offline estimate)."""
     ks = sorted(ks)
-    sweep = MethodSweep(method, list(ks), {})
+    sweep = MethodSweep(method, list(ks), {}, flat=flat)
     probes = [ks[-1]] if servers < 2 or len(ks) == 1 else [ks[-1], ks[0]]
 
     def serve(k: int) -> dict[int, float]:
@@ -192,7 +206,7 @@ def run_sweep(
             )
 
     while True:
-        sweep.predicted = predict(ks, sweep.acceptance_length, sweep.measured, base)
+        sweep.predicted = predict(ks, sweep.acceptance_length, sweep.measured, base, flat)
         best_ks = dict.fromkeys(sweep.best_predicted().values())
         todo = [k for k in best_ks if k not in sweep.measured]
         if not todo or len(sweep.served) >= servers:
@@ -216,25 +230,55 @@ def acceptance_from_positions(ks: Sequence[int]) -> Callable[[dict[int, float]],
     return f
 
 
+def best_draft(draft: MethodSweep, parallel: MethodSweep | None) -> dict[int, MethodSweep]:
+    """{concurrency: the draft's method (sequential or parallel drafting) whose best measured k
+    has the most tokens/s}: the one decision between the two ways of serving the draft (the
+    sequential one on a tie: the vLLM path every EAGLE-3 draft runs)."""
+    out: dict[int, MethodSweep] = {}
+    for c, k in draft.best_measured().items():
+        out[c] = draft
+        kp = parallel.best_measured().get(c) if parallel else None
+        if (
+            parallel is not None
+            and kp is not None
+            and parallel.measured[kp][c] > draft.measured[k][c]
+        ):
+            out[c] = parallel
+    return out
+
+
 def serving_recommendation(
     draft: MethodSweep,
     ngram: MethodSweep | None,
     base: dict[int, float],
-    spec: Callable[[int], dict],
+    spec: Callable[[int, bool], dict],
+    parallel: MethodSweep | None = None,
 ) -> dict[str, Any]:
     """What the promoted draft carries: per concurrency, the speculative config of its best
-    measured k, its tokens/s and speedup, and the n-gram baseline at ITS best k."""
+    measured method and k (``spec(k, parallel)``), its tokens/s and speedup, and the n-gram
+    baseline at ITS best k."""
     by_c: dict[str, Any] = {}
     nbest = ngram.best_measured() if ngram else {}
-    for c, k in draft.best_measured().items():
-        tps = draft.measured[k][c]
+    for c, sw in best_draft(draft, parallel).items():
+        k = sw.best_measured()[c]
+        tps = sw.measured[k][c]
         entry: dict[str, Any] = {
+            "method": "parallel" if sw is parallel else "sequential",
             "num_speculative_tokens": k,
-            "speculative_config": spec(k),
+            "speculative_config": spec(k, sw is parallel),
             "tokens_per_s": tps,
             "speedup": tps / base[c] if base.get(c) else None,
-            "predicted_best_k": draft.best_predicted().get(c),
+            "predicted_best_k": sw.best_predicted().get(c),
         }
+        if parallel is not None:  # the other way of serving the draft, at its best k
+            other = draft if sw is parallel else parallel
+            ko = other.best_measured().get(c)
+            if ko is not None:
+                entry["other_method"] = {
+                    "method": "sequential" if sw is parallel else "parallel",
+                    "num_speculative_tokens": ko,
+                    "tokens_per_s": other.measured[ko][c],
+                }
         if ngram and c in nbest:
             nk = nbest[c]
             ntps = ngram.measured[nk][c]
