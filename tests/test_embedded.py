@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -30,10 +29,17 @@ def test_prepared_folder_is_plain_and_checked(smol_model, cpu_cfg):
     assert not list(smol_model.parent.glob(".*.tmp")), "no half-written conversion left behind"
 
 
-def test_second_prepare_is_a_cache_hit(smol_model, cpu_cfg):
-    t0 = time.monotonic()
+def test_second_prepare_is_a_cache_hit(smol_model, cpu_cfg, monkeypatch):
+    """A prepared folder is returned as it is: no conversion, no check answer, nothing rewritten."""
+
+    def refuse(*a, **k):
+        raise AssertionError("a cache hit converted or checked again")
+
+    monkeypatch.setattr(embedded, "_convert", refuse)
+    monkeypatch.setattr(embedded, "greedy_answer", refuse)
+    before = {p.name: p.stat().st_mtime_ns for p in smol_model.iterdir()}
     assert prepare_model(cpu_cfg.paths.cache_dir, "smollm2-135m-instruct") == smol_model
-    assert time.monotonic() - t0 < 5
+    assert {p.name: p.stat().st_mtime_ns for p in smol_model.iterdir()} == before
     assert resolve_model(cpu_cfg.target.model, cpu_cfg.paths.cache_dir) == str(smol_model)
     assert resolve_model("/models/x", cpu_cfg.paths.cache_dir) == "/models/x"
 
