@@ -192,7 +192,6 @@ def test_vocab_fails_when_a_shard_is_missing(tmp_path):
 @pytest.mark.vllm
 def test_readiness_accepts_v1_and_fails_fast_on_404(vllm_server):
     base = vllm_server.base_url
-    t0 = time.monotonic()
     wait_until_ready(
         f"{base}/v1/",
         vllm_server.model,
@@ -200,15 +199,15 @@ def test_readiness_accepts_v1_and_fails_fast_on_404(vllm_server):
         poll_interval_s=0.5,
         check_alive=lambda: None,
     )
+    # a 404 is not waited out: that would end in a ServerTimeoutError (after 30 s), not this
     with pytest.raises(EndpointError, match=rf"{base}/wrong/health answered 404"):
         wait_until_ready(
             f"{base}/wrong",
             vllm_server.model,
-            timeout_s=600,
+            timeout_s=30,
             poll_interval_s=1,
             check_alive=lambda: None,
         )
-    assert time.monotonic() - t0 < 10, "a 404 is not waited out"
     assert probe(f"{base}/v1", vllm_server.model) is None
 
 
