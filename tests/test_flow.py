@@ -40,8 +40,9 @@ def test_hero_run_flow(tiny_hero, vllm_server):
         assert folder == run_dir / stage / c["key"] and artifacts.is_complete(folder, c["key"])
         assert (run_dir / stage / "latest").resolve() == folder
     assert (Path(summary["stages"]["train"]["dir"]) / "vllm-draft" / "config.json").exists()
-    # a stage's task took longer than its library call, by Prefect's bookkeeping only
-    assert all(0 <= c["overhead_s"] < 5 for c in summary["stages"].values())
+    # a stage's task wraps its library call: it took at least as long (how much longer is
+    # Prefect's bookkeeping, a speed, not a behaviour: not checked here)
+    assert all(c["overhead_s"] >= 0 for c in summary["stages"].values())
     # the shared server still answers: a run against an external server never stops it
     assert probe(vllm_server.base_url, None) is None
 

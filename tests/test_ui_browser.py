@@ -92,6 +92,10 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
     from playwright.sync_api import sync_playwright
 
     started = time.monotonic()
+    # a copy of the session's run: this hero run rewrites its summary (tests/test_flow.py reads
+    # the session's own)
+    runs = tmp_path / "runs"
+    shutil.copytree(tiny_hero.runs_dir, runs, symlinks=True)
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -140,7 +144,7 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
             "--stages",
             ",".join(TINY_STAGES),
         ]
-        for o in tiny_hero.overrides:
+        for o in tiny_hero.with_runs_dir(runs):
             argv += ["--set", o]
         serve = _start(argv, env, serve_log)
         procs.append((serve, serve_log))
@@ -203,7 +207,7 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
         _stop(server)
 
     # the run the browser started: one run of this deployment, every stage a cache hit
-    summary = json.loads((tiny_hero.runs_dir / "smollm2-cpu" / "hero-run.json").read_text())
+    summary = json.loads((runs / "smollm2-cpu" / "hero-run.json").read_text())
     assert {s: c["status"] for s, c in summary["stages"].items()} == {
         s: "cached" for s in TINY_STAGES
     }
