@@ -154,7 +154,7 @@ def test_sigterm_while_the_server_loads_stops_it_within_seconds(smol_model, tmp_
             sys.executable, "-m", "eagle3.cli", "generate", "-c", str(CPU_PROFILE),
             "--out", str(tmp_path / "gen"),
             "--set", f"paths.runs_dir={tmp_path / 'runs'}", "--set", f"serve.port={port}",
-            "--set", f"generate.dataset={data}", "--set", "serve.stop_timeout_s=40",
+            "--set", f"generate.dataset={data}", "--set", "serve.stop_timeout_s=600",
         ],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -163,27 +163,27 @@ def test_sigterm_while_the_server_loads_stops_it_within_seconds(smol_model, tmp_
         while not _pids_with_arg("--port", str(port)) and time.monotonic() < deadline:
             time.sleep(0.2)
         servers = _pids_with_arg("--port", str(port))
-        # vLLM's own signal handling is up once its API server logs (before that, Python's
-        # default SIGTERM ends it at once): from then on main waited serve.stop_timeout_s
+        # vLLM's own SIGTERM handler is up once its API server runs (before that, Python's
+        # default SIGTERM ends it at once): its engine core logs after that, still loading; from
+        # then on main waited serve.stop_timeout_s
         while not loading_logged(tmp_path / "runs") and time.monotonic() < deadline:
             time.sleep(0.2)
-        time.sleep(2)
-        assert servers and proc.poll() is None, "the server must be loading"
-        t0 = time.monotonic()
+        assert loading_logged(tmp_path / "runs") and servers and proc.poll() is None, (
+            "the server must be loading"
+        )
         proc.send_signal(signal.SIGTERM)
+        # serve.stop_timeout_s is 600: a wait for it ends in TimeoutExpired here, not an exit
         _, err = proc.communicate(timeout=120)
-        took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert took < 20, f"took {took:.0f} s (serve.stop_timeout_s is 40)"
     assert "that was still loading: SIGTERM, then SIGKILL after 5 s" in err, err
     assert not any(group_members(pid) for pid in servers)
 
 
 def loading_logged(runs: Path) -> bool:
-    return any("(APIServer pid=" in p.read_text() for p in runs.rglob("vllm-*.log"))
+    return any("(EngineCore pid=" in p.read_text() for p in runs.rglob("vllm-*.log"))
 
 
 # --- 5: an unknown embedded model is one line with the known names ------------------------------
@@ -220,10 +220,9 @@ def test_a_wrong_served_model_name_fails_at_once(vllm_server, tmp_path):
             "serve.ready_timeout_s=30",
         ],
     )
-    t0 = time.monotonic()
+    # at once: waiting the list out would end in a ServerTimeoutError after 30 s, not this
     with pytest.raises(EndpointError, match=rf"does not list 'nope' \(it serves \['{SERVED}'\]\)"):
         start_server(cfg, "ignored")
-    assert time.monotonic() - t0 < 10
 
 
 # --- 7: a record without prompt_token_ids is a named unreadable line ----------------------------
@@ -293,12 +292,11 @@ def test_nits_zero_samples_unreadable_lines_error_prefix_and_a_missing_dataset(s
     r = cli("run-stage", "nope", "-c", str(CPU_PROFILE))
     assert r.returncode == 1 and r.stderr.startswith("error: unknown stage 'nope'"), r.stderr
     # a missing dataset fails before any server starts (no --base-url: it would start one)
-    t0 = time.monotonic()
     r = cli(
         "generate", "-c", str(CPU_PROFILE), "--set", f"paths.runs_dir={tmp_path / 'runs'}",
         "--set", f"generate.dataset={tmp_path / 'missing.jsonl'}",
     )  # fmt: skip
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"error: dataset file {tmp_path / 'missing.jsonl'} not found" in r.stderr
-    assert "server ready" not in r.stderr and time.monotonic() - t0 < 30
-    assert not (tmp_path / "runs" / "serve").exists(), "no server was started"
+    assert "server ready" not in r.stderr
+    assert not list((tmp_path / "runs").rglob("vllm-*.log")), "no server was started"

@@ -335,6 +335,7 @@ def test_kill_9_mid_epoch_resumes_to_the_same_weights(
                 break
         time.sleep(0.02)
     assert killed_at is not None, f"never saw a mid-epoch checkpoint: {proc.stderr.read()[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL, "the kill must land before the run ends"
     assert 0 < killed_at < total
     rest = train(cfg, ext, vocab, smol_model, out)
     assert rest["complete"] and rest["resumed_from_step"] >= killed_at and rest["steps"] == total
