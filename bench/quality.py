@@ -426,8 +426,12 @@ def evaluate(
     k: int,
     device: str,
     token_budget: int = 32768,
+    parallel: bool = False,
 ) -> dict:
-    """Offline acceptance of the draft on stored target states (the whole eval set)."""
+    """Offline acceptance of the draft on stored target states (the whole eval set), at ``k``
+    with its acceptance per position, and the acceptance length at every smaller k (``by_k``:
+    the same chains capped; vLLM's proposer walks them anew at each k, as walk_chains does).
+    ``parallel``: the draft served with parallel drafting (one pass for all k tokens)."""
     from eagle3.extract.storage import HiddenStateDataset
     from eagle3.verify.offline import (
         chain_accepts,
@@ -438,7 +442,7 @@ def evaluate(
 
     draft, d2t = load_draft_for_eval(draft_dir, target_dir, device)
     ds = HiddenStateDataset(eval_extract, dtype=torch.float32)
-    accepted: list[int] = []
+    walks: list[tuple[list[int], int, int]] = []
     for idx in ds.batches(token_budget, shuffle=False):
         samples = [ds[i] for i in idx]
         L = max(len(s) for s in samples)
@@ -447,11 +451,17 @@ def evaluate(
         for j, s in enumerate(samples):
             aux[j, : len(s)], ids[j, : len(s)] = s.aux.to(device), s.input_ids.to(device)
         lengths = torch.tensor([len(s) for s in samples], device=device)
-        acc = chain_accepts(draft, aux, ids, lengths, k, d2t).tolist()
+        acc = chain_accepts(draft, aux, ids, lengths, k, d2t, parallel).tolist()
         for j, s in enumerate(samples):
-            start = int(s.loss_mask.long().argmax()) - 1
-            accepted += walk_chains(acc[j], start, len(s))
-    return summarize_chains(accepted, k)
+            walks.append((acc[j], int(s.loss_mask.long().argmax()) - 1, len(s)))
+
+    def at(kk: int) -> dict:
+        chains = [a for acc, p, n in walks for a in walk_chains([min(x, kk) for x in acc], p, n)]
+        return summarize_chains(chains, kk)
+
+    out = at(k)
+    out["by_k"] = {kk: at(kk)["acceptance_length"] for kk in range(1, k + 1)}
+    return out
 
 
 def ngram_baseline(eval_extract: Path, k: int) -> dict | None:
@@ -469,7 +479,9 @@ def ngram_baseline(eval_extract: Path, k: int) -> dict | None:
         p = int(s.loss_mask.long().argmax())
         ids = s.input_ids.tolist()
         seqs.append((ids[:p], ids[p:]))
-    return simulate_ngram(seqs, k)
+    out = simulate_ngram(seqs, k)
+    out["by_k"] = {kk: simulate_ngram(seqs, kk)["acceptance_length"] for kk in range(1, k + 1)}
+    return out
 
 
 def cmd_run(a) -> None:
@@ -541,9 +553,14 @@ def cmd_run(a) -> None:
             "states": m.get("states"),
             "data_on_device": m.get("data_on_device"),
         }
+        draft_conf = json.loads((ed / "train" / "vllm-draft" / "config.json").read_text())
         for name, ex in evals.items():
             row[name] = evaluate(ed / "train" / "vllm-draft", ex, target, a.k, device)
             row[f"{name}_ngram"] = base[name]
+            if draft_conf.get("ptd_token_id") is not None:  # also served with parallel drafting
+                row[f"{name}_parallel"] = evaluate(
+                    ed / "train" / "vllm-draft", ex, target, a.k, device, parallel=True
+                )
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps({k_: v for k_, v in row.items() if k_ not in ("final",)}), flush=True)

@@ -27,6 +27,8 @@
 #   device run: bash bench/quality_gpu.sh online38     carry [".gpu/g2", ".gpu/d"] (issue 38, after
 #       `stage`: offline / online / hybrid x bf16 / fp8 on N4=3,000 samples x E4=2 epochs; FULL=1
 #       adds the whole mixture, hybrid fp8, at the profile's epochs; in the background: `poll`)
+#       S38=0 skips the issue-38 arms, P40=1 then runs `peagle40-steps` (issue 40: sequential vs
+#       parallel drafting, hybrid fp8, N4 samples x E4 epochs, acceptance at k = 1..8 both ways)
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
 #       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
 #
@@ -142,7 +144,9 @@ online38)
   # profile's recipe with a 32K vocabulary, one process at a time; FULL=1 then the whole mixture
   # at the profile's epochs, hybrid fp8. `poll` brings results38.jsonl back.
   mkdir -p /tmp/q
-  setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" FULL="${FULL:-0}" bash bench/quality_gpu.sh online38-steps > /tmp/q/online.log 2>&1 < /dev/null &
+  setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" FULL="${FULL:-0}" S38="${S38:-1}" P40="${P40:-0}" \
+    bash -c 'bash bench/quality_gpu.sh online38-steps; [ "$P40" = 1 ] && bash bench/quality_gpu.sh peagle40-steps' \
+    > /tmp/q/online.log 2>&1 < /dev/null &
   sleep "${WAIT:-90}"; tail -n 30 /tmp/q/online.log
   ;;
 online38-steps)
@@ -151,6 +155,11 @@ online38-steps)
   [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
   E='"train.epochs='"$E4"'"'
   FP8='"extract.storage_dtype=float8_e4m3fn"'
+  # a first short arm pays torch.compile's cold start (47.7 s vs 35.5 s warm in session 17)
+  "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/warmup.jsonl \
+    --exp '{"name": "warmup", "samples": 300, "set": ['"$V"', "train.epochs=1"]}' 2>&1 | grep -E 'rror|Traceback' | cut -c 1-900
+  echo "warm-up done t=$(($(date +%s) - T0))s"
+  [ "${S38:-1}" = 1 ] || exit 0
   for x in "hybrid-bf16|\"extract.states=online\"|\"train.state_cache_gib=auto\"" \
            "off-bf16||" \
            "hybrid-fp8|\"extract.states=online\", $FP8|\"train.state_cache_gib=auto\"" \
@@ -170,6 +179,24 @@ online38-steps)
   fi
   echo "all done t=$(($(date +%s) - T0))s"
   ;;
+peagle40-steps)
+  # issue 40: the same recipe trained for sequential drafting (TTT 3), for both (TTT 3 +
+  # parallel depths 8) and for parallel drafting alone (TTT 1 + depths 8), hybrid fp8 on the
+  # mixture's first N4 samples, E4 epochs; every draft scored at k = 1..8 (by_k) on MT-bench and
+  # the held-out answers, the parallel-capable ones both ways (the *_parallel columns)
+  online_data
+  [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
+  RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT --k 8)
+  ONL='"extract.states=online", "extract.storage_dtype=float8_e4m3fn"'
+  for x in "seq-ttt3|" "par8-ttt3|, \"train.parallel_depths=8\"" "par8-ttt1|, \"train.parallel_depths=8\", \"train.ttt_steps=1\""; do
+    IFS='|' read -r n st <<< "$x"
+    "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/results40.jsonl --keep-draft "$n-$N4" \
+      --exp '{"name": "'"$n"'-'"$N4"'", "extract": ['"$ONL"'], "set": ['"$V"', "train.epochs='"$E4"'", "train.state_cache_gib=auto"'"$st"']}' \
+      2>&1 | grep -E '^\{|rror|Traceback' | cut -c 1-600
+    echo "$n done t=$(($(date +%s) - T0))s"
+  done
+  echo "p40 done t=$(($(date +%s) - T0))s"
+  ;;
 poll)
   tail -n "${2:-40}" /tmp/q/online.log; df -h /tmp | tail -1; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
   cp /tmp/q/results*.jsonl /tmp/q/online.log "$OUT/" 2>/dev/null; true
@@ -177,7 +204,7 @@ poll)
 fetch-draft)
   # the main online run's exported draft (bf16, ~45 MB with 32K rows), in 15 MB parts: a file
   # back from the device is at most 16 MiB (join: cat draft.tar.part* | tar x)
-  D=/tmp/q/W/runs/${2:-online-all-v32k}/train
+  D=${3:-/tmp/q/W}/runs/${2:-online-all-v32k}/train
   tar cf /tmp/q/draft.tar -C "$D" vllm-draft && split -b 15000000 -d /tmp/q/draft.tar "$OUT/draft.tar.part"
   ls -la "$OUT"
   ;;
