@@ -110,6 +110,7 @@ def profile_concurrency_cmd(
     out: Annotated[Path | None, typer.Option(help="Folder for the JSON and PNG.")] = None,
 ) -> None:
     """Sweep concurrency levels against the live server; save throughput/latency and pick the knee."""  # noqa: E501
+    from eagle3.generate.client import Exhausted
     from eagle3.generate.profile import profile_concurrency
     from eagle3.serving.readiness import ServerError
 
@@ -130,6 +131,9 @@ def profile_concurrency_cmd(
             )
     except ServerError as e:
         fail(str(e))
+    except Exhausted as e:  # a --base-url nothing answers at: one line, not a traceback (#42)
+        where = f"the server at {base_url} is up" if base_url else "the server is up"
+        fail(f"profile-concurrency got no answer ({e}): check that {where}")
     typer.echo(
         f"knee: {report['knee']} (best {report['best']} at "
         f"{report['best_tokens_per_s']:.0f} tok/s); "

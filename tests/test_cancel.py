@@ -1,10 +1,11 @@
-"""Stopping a run stops its servers (issue #16, finding 1): `eagle3 verify` on SIGTERM, and a hero run
+"""Stopping a run stops its servers (issue #16, finding 1): `eagle3 verify` on SIGINT, and a hero run
 cancelled from Prefect (the UI's Cancel button sends the same API call as here).
 
 Real parts only: `eagle3 verify` starts its own vLLM CPU servers; the cancellation test runs a Prefect
 server, `flows.serve`'s runner and a hero run whose generate stage starts its own vLLM server, and
-cancels the run through Prefect's API. Each asserts that no process of the server is left.
-(`eagle3 generate` on SIGTERM: tests/test_faults.py.)
+cancels the run through Prefect's API. Each asserts that no process of the server's session is
+left (its EngineCore and workers included: tests/proctree.py). (`eagle3 generate` on SIGTERM:
+tests/test_faults.py; SIGINT to generate and train, kill -9: tests/test_kill.py.)
 """
 
 from __future__ import annotations
@@ -12,30 +13,21 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import httpx
 import pytest
 
 from eagle3.generate.storage import iter_samples
 from eagle3.serving.readiness import free_port
+from tests import proctree
 from tests.conftest import CPU_PROFILE
-from tests.test_faults import _pids_with_arg, sigterm_when, write_prompts
+from tests.test_faults import sigterm_when, write_prompts
 from tests.test_ui_browser import _deployment, _start, _stop, _wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def _wait_gone(port: int, timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while (left := _pids_with_arg("--port", str(port))) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
-
-
-def _server_up(port: int) -> bool:
-    if not _pids_with_arg("--port", str(port)):
-        return False
+def _health(port: int) -> bool:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
@@ -52,7 +44,8 @@ def _saved(runs) -> bool:
     )
 
 
-def test_sigterm_of_verify_stops_its_server(trained_draft, tmp_path):
+def test_sigint_of_verify_stops_its_server(trained_draft, tmp_path):
+    """Ctrl-C (SIGINT) while verify measures its first server: exit 130, the line, nothing left."""
     port = free_port()
     argv = [
         sys.executable,
@@ -74,14 +67,19 @@ def test_sigterm_of_verify_stops_its_server(trained_draft, tmp_path):
         "--set",
         "verify.max_tokens=64",
     ]
-    returncode, err, _ = sigterm_when(
-        argv, lambda: _server_up(port), port, 240, "verify must be running with its first server up"
+    returncode, err, sessions = sigterm_when(
+        argv,
+        lambda: _health(port),
+        240,
+        "verify must be running with its first server up",
+        sig=signal.SIGINT,
     )
-    assert returncode == 128 + signal.SIGTERM, err
-    assert "interrupted (SIGTERM): every server this command started was stopped" in " ".join(
+    assert returncode == 128 + signal.SIGINT == 130, err
+    assert "interrupted (SIGINT): every server this command started was stopped" in " ".join(
         err.split()
     ), err
-    assert not _wait_gone(port, 10), "no process of verify's server is left"
+    left = proctree.wait_gone(sessions, 10)
+    assert not left, f"left by verify or its server:\n{proctree.describe(left)}"
 
 
 def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
@@ -113,7 +111,7 @@ def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
         server_log,
     )
     procs = [(server, server_log)]
-    serve = None
+    serve, sessions = None, set()
     try:
         _wait(
             "prefect server",
@@ -152,7 +150,10 @@ def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
         def state() -> str:
             return httpx.get(f"{api}/flow_runs/{run['id']}", timeout=5).json()["state_type"]
 
-        _wait("the run's own vLLM server up", lambda: _server_up(port), 240, procs)
+        _wait("the run's own vLLM server up", lambda: _health(port), 240, procs)
+        # the sessions of every process below the runner but its own: the vLLM server's
+        sessions = proctree.sessions(serve.pid, own=False)
+        assert sessions, "the run's vLLM server runs in a session of its own"
         # mid-generate: the smoke chat done, samples being written, requests in flight (300 prompts)
         _wait("the first sample saved", lambda: _saved(runs), 120, procs)
         assert state() == "RUNNING"
@@ -163,8 +164,10 @@ def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
         )
         assert r.status_code in (200, 201), r.text
         _wait("the run cancelled", lambda: state() == "CANCELLED", 120, procs)
-        assert not _wait_gone(port, 30), (
-            f"the cancelled run left its vLLM server:\n{serve_log.read_text()[-3000:]}"
+        left = proctree.wait_gone(sessions, 30)
+        assert not left, (
+            f"the cancelled run left processes of its vLLM server:\n{proctree.describe(left)}\n"
+            f"{serve_log.read_text()[-3000:]}"
         )
         # what was written is whole and readable
         for gen_dir in (runs / "smollm2-cpu" / "generate").iterdir():
@@ -180,5 +183,4 @@ def test_cancelling_a_hero_run_in_prefect_stops_its_server(tmp_path):
             _stop(serve)
         _stop(server)
         # never leave a server behind, even on failure
-        for pid in _pids_with_arg("--port", str(port)):
-            os.kill(pid, signal.SIGKILL)
+        proctree.kill_sessions(sessions)
