@@ -117,8 +117,10 @@ def report_of_a_sweep() -> dict:
     }
 
 
-def test_verify_scalars_from_its_report(tracked_run):
-    cfg, _, _, _ = tracked_run
+def test_verify_scalars_from_its_report(tmp_path):
+    # a run dir of its own: the module's tracked_run is read by tests that expect its train only
+    cfg = make_cfg(epochs=2)
+    cfg.paths.runs_dir = tmp_path / "runs"
     out = cfg.paths.artifact_dir("verify", "fedcba98")
     log_dir = track_verify(cfg, out, report_of_a_sweep())
     assert log_dir.parent == cfg.paths.run_dir / "tensorboard" and log_dir.name.startswith(
