@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 def summarize(report: dict) -> list[dict]:
     """One row per method and concurrency: the predicted best k, the measured best, the gap."""
     rows = []
-    for name in ("draft", "ngram"):
+    for name in ("draft", "parallel", "ngram"):
         m = report["sweep"].get(name)
         if not m:
             continue
