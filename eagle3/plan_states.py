@@ -312,10 +312,13 @@ def _details(cfg: PipelineConfig, target_conf: dict[str, Any] | None, trainable:
     if flops:
         cost = f"the target's forward, ~{flops / 1e9:,.1f} GFLOP a token, every epoch ({tc.epochs})"
         if trainable:
-            draft = 6.0 * trainable * tc.ttt_steps
+            from eagle3.train.ttt import loss_offsets
+
+            passes = len(loss_offsets(tc.ttt_steps, tc.parallel_depths))  # + parallel depths
+            draft = 6.0 * trainable * passes
             cost += (
                 f" beside the draft's ~{draft / 1e9:,.1f} GFLOP a token a step "
-                f"(6 x trainable x TTT {tc.ttt_steps})"
+                f"(6 x trainable x {passes} passes)"
             )
         online["cost"] = cost
     return offline, online
