@@ -18,10 +18,12 @@ session is left (EngineCore and workers included), and a rerun resumes the sampl
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import sys
+import time
 
 import httpx
 import pytest
@@ -53,7 +55,13 @@ def _deployments(api: str, names: list[str]) -> dict[str, dict] | None:
 
 def _run(api: str, dep: dict, params: dict | None = None) -> str:
     body = {"parameters": {"params": params}} if params else {}
-    r = httpx.post(f"{api}/deployments/{dep['id']}/create_flow_run", json=body, timeout=10)
+    for _ in range(
+        20
+    ):  # 503: a retryable server error (SQLite busy), what Prefect's client retries
+        r = httpx.post(f"{api}/deployments/{dep['id']}/create_flow_run", json=body, timeout=10)
+        if r.status_code != 503:
+            break
+        time.sleep(0.5)
     assert r.status_code in (200, 201), r.text
     return r.json()["id"]
 
@@ -163,8 +171,18 @@ def _kill_9_and_rerun(api: str, killed: dict, serve, base_url: str, procs) -> se
     flow_pid = proctree.processes()[next(iter(sessions))].ppid  # the flow run's process
     assert "prefect.engine" in proctree.cmdline(flow_pid), proctree.cmdline(flow_pid)
     os.kill(flow_pid, signal.SIGKILL)
-    state = lambda: _flow_run(api, killed["id"])["state_type"]  # noqa: E731
+
+    def state() -> str:
+        return _flow_run(api, killed["id"])["state_type"]
+
     _wait("the killed run marked crashed", lambda: state() == "CRASHED", 120, procs)
+    # the runner ran the crash hook: the run's entry is gone from servers.json (tasks/serve.py)
+    registry = killed["root"] / "serve" / "servers.json"
+
+    def listed() -> list:
+        return [e for e in json.loads(registry.read_text()) if e["flow_run_id"] == killed["id"]]
+
+    _wait("the crash hook", lambda: registry.exists() and not listed(), 60, procs)
     left = proctree.wait_gone(sessions, 60)
     assert not left, f"kill -9 left processes of the run's vLLM server:\n{proctree.describe(left)}"
     (folder,) = folders()

@@ -423,7 +423,9 @@ def sigterm_when(
         while proc.poll() is None and not ready() and time.monotonic() < deadline:
             time.sleep(0.2)
         sessions = proctree.sessions(proc.pid)
-        assert proc.poll() is None and proctree.sessions(proc.pid, own=False), what
+        if proc.poll() is not None or not proctree.sessions(proc.pid, own=False):
+            proc.kill()
+            pytest.fail(f"{what}; exit {proc.poll()}:\n{proc.communicate()[1][-3000:]}")
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
