@@ -134,9 +134,7 @@ def test_fast_optimizer_step_matches_eager():
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(model, 1e-2, 0.0)
         results = [
-            train_step(
-                net, opt, params, batches, Dist(), 0.5, torch.autocast("cpu", enabled=False)
-            )
+            train_step(net, opt, params, batches, Dist(), 0.5, torch.autocast("cpu", enabled=False))
             for _ in range(2)
         ]
         weights.append((results, [p.detach().clone() for p in params]))
