@@ -237,6 +237,15 @@ def parallel_ks(cfg: Any, draft_dir: Path) -> list[int]:
     return [k for k in cfg.verify.ks if k <= depths] if conf.get("ptd_token_id") is not None else []
 
 
+def _acceptance(ks: list[int], estimate: Callable[[], dict[str, Any] | None]) -> tuple[Any, Any]:
+    """(the offline estimate or None, the sweep's acceptance lengths: {k: AL} from the estimate,
+    else a function of the largest k's counters)."""
+    offline = estimate()
+    if offline is None:
+        return None, acceptance_from_positions(ks)
+    return offline, {k: offline["by_k"][k]["acceptance_length"] or 1.0 for k in ks}
+
+
 def measure_sweep(
     cfg: Any,
     model: str,
@@ -267,15 +276,9 @@ def measure_sweep(
     base_tps = tokens_per_s(base)
     brun = base[0][0]
     seqs = [(r.prompt_token_ids, r.token_ids) for r in brun.results]
-    al_draft: Any = acceptance_from_positions(ks)
-    offline = estimate(brun, False)
-    if offline is not None:
-        al_draft = {k: offline["by_k"][k]["acceptance_length"] or 1.0 for k in ks}
+    offline, al_draft = _acceptance(ks, lambda: estimate(brun, False))
     pks = parallel_ks(cfg, draft_dir)
-    al_par: Any = acceptance_from_positions(pks)
-    offline_par = estimate(brun, True) if pks else None
-    if offline_par is not None:
-        al_par = {k: offline_par["by_k"][k]["acceptance_length"] or 1.0 for k in pks}
+    offline_par, al_par = _acceptance(pks, lambda: estimate(brun, True) if pks else None)
     servers: dict[tuple[str, int], tuple[list[Window], dict[str, Any]]] = {}
 
     def serve(method: str, k: int) -> tuple[dict[int, float], dict[int, float]]:

@@ -203,8 +203,7 @@ def offline_acceptance(
     largest k (a chain's leading matches at a smaller k are its matches at the largest, capped).
     ``groups`` (one label per sequence, e.g. the MT-bench category): also ``by_group`` (in
     each ``by_k`` entry too); ``max_sequences`` of them are then taken from each group in turn
-    (:func:`spread`). ``parallel``: the draft served with parallel drafting
-    (:func:`chain_accepts`)."""
+    (:func:`spread`). ``parallel``: served with parallel drafting (:func:`chain_accepts`)."""
     from transformers import AutoModelForCausalLM
 
     from eagle3.target_checkpoint import checkpoint_dir
