@@ -129,3 +129,32 @@ def test_print_summary_ends_with_the_verdict(tmp_path, capsys):
     assert out[-5].startswith("acceptance length: 1.31")
     assert any(line.startswith("gate: passed its acceptance checks") for line in out)
     assert not any("gate passed" in line for line in out)
+
+
+def test_the_verdict_and_the_report_name_parallel_drafting():
+    """A serving entry whose draft won with parallel drafting (issue 40) is named so in the
+    verdict and in report.md's "What to serve", next to the other way's best."""
+    from eagle3.verify.report import _serving_lines
+
+    won = json.loads(json.dumps(DEMO))
+    won["serving"]["1"] |= {
+        "method": "parallel",
+        "num_speculative_tokens": 4,
+        "tokens_per_s": 30.0,
+        "speedup": 1.8,
+        "speculative_config": {"method": "eagle3", "num_speculative_tokens": 4,
+                               "parallel_drafting": True},
+        "other_method": {"method": "sequential", "num_speculative_tokens": 2,
+                         "tokens_per_s": 25.0},
+    }  # fmt: skip
+    line = verdict_lines(won, TRAIN)[0]
+    assert line.startswith(
+        "serve on this machine: c=1: draft (parallel drafting) k=4 (30.0 tok/s, x1.80"
+    )
+    assert "the draft k=1: 70.0 tok/s" in line  # c=8: the sequential draft lost to the target
+    won["serving"]["8"]["speculative_config"] = {"method": "eagle3", "num_speculative_tokens": 1}
+    md = "\n".join(_serving_lines(won))
+    assert "concurrency 1: **parallel drafting, k = 4**" in md
+    assert "sequential drafting at its best k = 2: 25.0 tok/s" in md
+    assert '"parallel_drafting": true' in md
+    assert "concurrency 8: **k = 1**" in md
