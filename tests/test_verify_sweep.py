@@ -151,3 +151,24 @@ def test_parallel_drafting_is_flat_and_the_faster_way_is_served():
         assert e["other_method"]["method"] == ("sequential" if faster_par else "parallel")
     assert rec["1"]["method"] == "parallel"  # c=1: the flat step pays at k=4
     assert rec["8"]["method"] == "sequential"  # c=8: verification costs grow, k=1 sequential wins
+
+
+def test_parallel_ks_follow_the_trained_depths(tmp_path):
+    """The sweep serves parallel drafting from k = 2 (k = 1 is the sequential pass) up to the
+    depths the draft was trained for; a sequential draft or verify.parallel_drafting off: none."""
+    import json
+
+    from eagle3.config import load_config
+    from eagle3.verify.arms import parallel_ks
+
+    cfg = load_config("configs/smollm2-cpu.yaml", ["verify.num_speculative_tokens=[1, 2, 3, 4, 5]"])
+    (tmp_path / "config.json").write_text(
+        json.dumps({"ptd_token_id": 2, "parallel_drafting_depths": 3})
+    )
+    assert parallel_ks(cfg, tmp_path) == [2, 3]
+    off = cfg.model_copy(
+        update={"verify": cfg.verify.model_copy(update={"parallel_drafting": "off"})}
+    )
+    assert parallel_ks(off, tmp_path) == []
+    (tmp_path / "config.json").write_text(json.dumps({"draft_vocab_size": 8}))
+    assert parallel_ks(cfg, tmp_path) == []

@@ -227,14 +227,17 @@ def chosen_ks(cfg: Any, sweeps: Sweeps | None) -> tuple[int, int, bool]:
 
 
 def parallel_ks(cfg: Any, draft_dir: Path) -> list[int]:
-    """The sweep's ks the draft serves with parallel drafting: those up to the depths it was
-    trained for (its config.json's ``parallel_drafting_depths``); none for a sequential draft or
+    """The sweep's ks the draft serves with parallel drafting: those from 2 up to the depths it
+    was trained for (its config.json's ``parallel_drafting_depths``; at k = 1 both ways are the
+    same single draft pass, served once, sequentially); none for a sequential draft or
     ``verify.parallel_drafting: off``."""
     if cfg.verify.parallel_drafting == "off":
         return []
     conf = json.loads((draft_dir / "config.json").read_text())
     depths = int(conf.get("parallel_drafting_depths") or 0)
-    return [k for k in cfg.verify.ks if k <= depths] if conf.get("ptd_token_id") is not None else []
+    if conf.get("ptd_token_id") is None:
+        return []
+    return [k for k in cfg.verify.ks if 2 <= k <= depths]
 
 
 def _acceptance(ks: list[int], estimate: Callable[[], dict[str, Any] | None]) -> tuple[Any, Any]:
