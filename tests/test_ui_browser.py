@@ -167,7 +167,7 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
                 page.get_by_role("button", name="Run", exact=True).click()
                 page.get_by_text("Quick run").first.click()
 
-                def runs() -> list[dict]:
+                def flow_runs() -> list[dict]:
                     r = httpx.post(
                         f"{api}/flow_runs/filter",
                         timeout=5,
@@ -175,13 +175,13 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
                     )
                     return r.json() if r.status_code == 200 else []
 
-                _wait("a flow run created by the Quick run button", runs, 30, procs)
+                _wait("a flow run created by the Quick run button", flow_runs, 30, procs)
                 page.screenshot(
                     path=str(ARTIFACTS / "ui-quick-run.png")
                 )  # with the "scheduled" toast
 
                 def finished():
-                    runs_now = runs()
+                    runs_now = flow_runs()
                     assert len(runs_now) == 1, runs_now  # exactly the run the button started
                     if runs_now[0]["state_type"] in ("FAILED", "CRASHED", "CANCELLED"):
                         pytest.fail(
