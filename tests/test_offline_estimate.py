@@ -17,8 +17,9 @@ from eagle3.verify.offline import (
 )
 
 
-def small_draft(seed: int = 0) -> Eagle3Draft:
-    cfg = DraftConfig(
+def small_draft(seed: int = 0, **fields) -> Eagle3Draft:
+    """A 32-wide draft with decisive argmaxes; ``fields`` override its config."""
+    base = dict(
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=4,
@@ -31,6 +32,7 @@ def small_draft(seed: int = 0) -> Eagle3Draft:
         rms_norm_eps=1e-5,
         max_position_embeddings=256,
     )
+    cfg = DraftConfig(**{**base, **fields})
     torch.manual_seed(seed)
     d = Eagle3Draft(cfg)
     torch.nn.init.normal_(d.embed_tokens.weight)

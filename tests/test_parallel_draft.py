@@ -17,32 +17,16 @@ from eagle3.train.ttt import TTTObjective, column_names, ttt_unroll
 from eagle3.train.ttt_fast import fast_unroll
 from eagle3.verify.ngram import leading_matches
 from eagle3.verify.offline import chain_accepts, walk_chains
+from tests.test_offline_estimate import small_draft
 
 PTD = 5  # the placeholder token
 
 
 def parallel_draft(depths: int = 4, seed: int = 0, vocab: int = 8) -> Eagle3Draft:
-    cfg = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=vocab,
-        draft_vocab_size=vocab,
-        target_hidden_size=16,
-        aux_layer_ids=[1, 2, 3],
-        rms_norm_eps=1e-5,
-        max_position_embeddings=256,
-        parallel_depths=depths,
+    return small_draft(
+        seed, vocab_size=vocab, draft_vocab_size=vocab, parallel_depths=depths,
         parallel_token_id=PTD,
-    )
-    torch.manual_seed(seed)
-    d = Eagle3Draft(cfg)
-    torch.nn.init.normal_(d.embed_tokens.weight)
-    for p in d.parameters():  # decisive argmaxes: no near-ties between two exact computations
-        p.data.mul_(5.0) if p.dim() >= 2 else None
-    return d.eval()
+    )  # fmt: skip
 
 
 @torch.no_grad()
