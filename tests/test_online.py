@@ -140,6 +140,59 @@ def test_hybrid_auto_computes_each_state_once(offline, online_extract, smol_mode
     assert not list((tmp_path / "train" / "state-cache").glob("*.safetensors"))
 
 
+def test_a_request_while_the_batch_waits_does_not_compute_again(
+    online_extract, smol_model, tmp_path
+):
+    """The loop requests the batches ahead every step, so a batch's samples are asked for
+    again while the loader waits for the producer thread's job that computes them. That second
+    request must not queue them a second time: on the GPU (session 18) it did, for ~10% of the
+    samples (epoch 2 found 89.7% cached where every state fitted, each duplicate a forward more
+    and an orphan copy on the GPU). The producer is gated here so the request lands in that
+    window for certain."""
+    import threading
+
+    from eagle3.extract.storage import HiddenStateDataset
+    from eagle3.train.online import open_online
+
+    cfg = gen_cfg(tmp_path, *BASE, "extract.states=online", "train.prefetch=on")
+    tokens = HiddenStateDataset(online_extract, torch.float32)
+    ds = open_online(cfg, tokens, smol_model, tmp_path, torch.device("cpu"), torch.float32)
+    try:
+        gate, computing, seen = threading.Event(), threading.Event(), []
+        compute = ds.producer.compute
+
+        def gated(seqs):
+            seen.append(len(seqs))
+            computing.set()
+            assert gate.wait(60)
+            return compute(seqs)
+
+        ds.producer.compute = gated
+        waiting, wait = threading.Event(), ds.thread.wait
+
+        def wait_seen(job, stream):
+            waiting.set()
+            wait(job, stream)
+
+        ds.thread.wait = wait_seen
+        ds.request([0, 1])
+        assert computing.wait(60)
+        loader = threading.Thread(target=ds.padded, args=([0, 1],))
+        loader.start()
+        assert waiting.wait(60)  # the loader waits for the job computing 0 and 1
+        ds.request([0, 1, 2])  # the loop's next window, while that job runs
+        gate.set()
+        loader.join(60)
+        ds.padded([2])
+        ds.thread.close()  # every queued job done
+        assert seen == [2, 1], "samples 0 and 1 were queued a second time"
+        assert ds.counts == {"memory": 0, "disk": 0, "produced": 3}
+        ds.padded([0, 1, 2])  # the next epoch: every state from memory, none produced
+        assert ds.counts == {"memory": 3, "disk": 0, "produced": 3} and not ds._fresh
+    finally:
+        ds.close()
+
+
 def test_producer_thread_failure_reaches_the_batch(online_extract, smol_model, tmp_path):
     """A target that fails on the producer thread fails the batch that needed it, with the
     cause, instead of hanging the loader."""

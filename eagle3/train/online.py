@@ -158,9 +158,12 @@ class OnlineStates:
         """Make every sample of ``idx`` held (memory, disk or fresh): wait for the producer
         thread's jobs that compute them, compute the rest here."""
         with self._lock:
-            jobs = {id(j): j for i in idx if (j := self._jobs.pop(i, None)) is not None}
+            jobs = {id(j): j for i in idx if (j := self._jobs.get(i)) is not None}
         for job in jobs.values():
             self.thread.wait(job, self.stream)
+        with self._lock:  # only now: a request meanwhile would have queued them again
+            for i in idx:
+                self._jobs.pop(i, None)
         missing = [i for i in idx if not self._held(i)]
         if not missing:
             return
