@@ -27,7 +27,7 @@
 #   device run: bash bench/quality_gpu.sh online38     carry [".gpu/g2", ".gpu/d"] (issue 38, after
 #       `stage`: offline / online / hybrid x bf16 / fp8 on N4=3,000 samples x E4=2 epochs; FULL=1
 #       adds the whole mixture, hybrid fp8, at the profile's epochs; in the background: `poll`)
-#       S38=0 skips the issue-38 arms, P40=1 then runs `peagle40-steps` (issue 40: sequential vs
+#       ARMS= picks the arms (online38 below), P40=1 then runs `peagle40-steps` (issue 40: sequential vs
 #       parallel drafting, hybrid fp8, N4 samples x E4 epochs, acceptance at k = 1..8 both ways)
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
 #       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
@@ -138,13 +138,18 @@ online-steps)
   echo "all done t=$(($(date +%s) - T0))s"
   ;;
 online38)
-  # issue 38, in the background (after `stage`; carry [".gpu/g2", ".gpu/d"]): offline, online
-  # (train.state_cache_gib=0: the target every epoch) and hybrid (auto: every state cached after
-  # epoch 1), bf16 and fp8, on the mixture's first N4 samples (3,000), E4 epochs (2), the
-  # profile's recipe with a 32K vocabulary, one process at a time; FULL=1 then the whole mixture
-  # at the profile's epochs, hybrid fp8. `poll` brings results38.jsonl back.
+  # issue 38, in the background (after `stage`; carry [".gpu/g2", ".gpu/d"]): the arms of ARMS in
+  # order, one process at a time, after a 300-sample compile warm-up; `poll` brings
+  # results38.jsonl back. Arms: {hybrid,off,online}-{bf16,fp8} on the mixture's first N4 samples
+  # (3,000), E4 epochs (2), the profile's recipe with a 32K vocabulary (hybrid: state_cache_gib
+  # auto, every state cached after epoch 1; online: 0, the target every epoch); and
+  # {off,hybrid}-fp8-all: the whole mixture at the profile's epochs, every state on the GPU in
+  # both (offline: train.data_on_device=on; hybrid: state_cache_memory_gib=GPU_GIB, 40).
+  # FULL=1 appends hybrid-fp8-all to the default list; P40=1 then runs `peagle40-steps`.
   mkdir -p /tmp/q
-  setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" FULL="${FULL:-0}" S38="${S38:-1}" P40="${P40:-0}" \
+  D38="hybrid-bf16 off-bf16 hybrid-fp8 off-fp8 online-bf16"
+  [ "${FULL:-0}" = 1 ] && D38="$D38 hybrid-fp8-all"
+  setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" ARMS="${ARMS:-$D38}" P40="${P40:-0}" \
     bash -c 'bash bench/quality_gpu.sh online38-steps; [ "$P40" = 1 ] && bash bench/quality_gpu.sh peagle40-steps' \
     > /tmp/q/online.log 2>&1 < /dev/null &
   sleep "${WAIT:-90}"; tail -n 30 /tmp/q/online.log
@@ -155,28 +160,28 @@ online38-steps)
   [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
   E='"train.epochs='"$E4"'"'
   FP8='"extract.storage_dtype=float8_e4m3fn"'
+  ON='"extract.states=online"'
   # a first short arm pays torch.compile's cold start (47.7 s vs 35.5 s warm in session 17)
   "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/warmup.jsonl \
     --exp '{"name": "warmup", "samples": 300, "set": ['"$V"', "train.epochs=1"]}' 2>&1 | grep -E 'rror|Traceback' | cut -c 1-900
   echo "warm-up done t=$(($(date +%s) - T0))s"
-  [ "${S38:-1}" = 1 ] || exit 0
-  for x in "hybrid-bf16|\"extract.states=online\"|\"train.state_cache_gib=auto\"" \
-           "off-bf16||" \
-           "hybrid-fp8|\"extract.states=online\", $FP8|\"train.state_cache_gib=auto\"" \
-           "off-fp8|$FP8|" \
-           "online-bf16|\"extract.states=online\"|\"train.state_cache_gib=0\""; do
-    IFS='|' read -r n e st <<< "$x"
-    "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/results38.jsonl \
-      --exp '{"name": "'"$n"'-'"$N4"'", "extract": ['"$e"'], "set": ['"$V"', '"$E"''"${st:+, $st}"']}' \
+  for n in ${ARMS:-}; do
+    gen=/tmp/q/MIXN work=/tmp/q/W38 name="$n-$N4" set="$V, $E"
+    case "$n" in
+      hybrid-bf16) e="$ON" set="$set, \"train.state_cache_gib=auto\"" ;;
+      hybrid-fp8) e="$ON, $FP8" set="$set, \"train.state_cache_gib=auto\"" ;;
+      off-bf16) e="" ;;
+      off-fp8) e="$FP8" ;;
+      online-bf16) e="$ON" set="$set, \"train.state_cache_gib=0\"" ;;
+      off-fp8-all) gen=/tmp/q/MIX work=/tmp/q/WF name=$n e="$FP8" set="$V, \"train.data_on_device=on\"" ;;
+      hybrid-fp8-all) gen=/tmp/q/MIX work=/tmp/q/WF name=$n e="$ON, $FP8" set="$V, \"train.state_cache_gib=auto\", \"train.state_cache_memory_gib=${GPU_GIB:-40}\"" ;;
+      *) echo "unknown arm $n"; continue ;;
+    esac
+    "${RUN[@]}" --train-gen "$gen" --work "$work" --out /tmp/q/results38.jsonl \
+      --exp '{"name": "'"$name"'", "extract": ['"$e"'], "set": ['"$set"']}' \
       2>&1 | grep -E '^\{|rror|extract|Traceback' | cut -c 1-900
     echo "$n done t=$(($(date +%s) - T0))s"
   done
-  if [ "$FULL" = 1 ]; then
-    "${RUN[@]}" --train-gen /tmp/q/MIX --work /tmp/q/WF --out /tmp/q/results38.jsonl \
-      --exp '{"name": "hybrid-fp8-all", "extract": ["extract.states=online", '"$FP8"'], "set": ['"$V"', "train.state_cache_gib=auto"]}' \
-      2>&1 | grep -E '^\{|rror|extract|Traceback' | cut -c 1-900
-    echo "full done t=$(($(date +%s) - T0))s"
-  fi
   echo "all done t=$(($(date +%s) - T0))s"
   ;;
 peagle40-steps)

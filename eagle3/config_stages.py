@@ -242,9 +242,10 @@ class TrainConfig(_Section):
     online_prefetch: int = Field(
         8,
         ge=1,
-        description="extract.states online: batches whose states are asked for ahead of the step "
-        "(their requests in flight at the vLLM server; the hf target computes all of them in "
-        "extract.token_budget-token forwards on the loader thread, on a GPU).",
+        description="extract.states online: batches whose states are asked for ahead of the step, "
+        "half of them at a time (their requests in flight at the vLLM server; the hf target "
+        "computes each half in extract.token_budget-token forwards on a thread of its own, on a "
+        "GPU).",
         json_schema_extra=UNKEYED,
     )
 

@@ -184,7 +184,10 @@ def _kill_9_and_rerun(api: str, killed: dict, serve, base_url: str, procs) -> se
 
     _wait("the crash hook", lambda: registry.exists() and not listed(), 60, procs)
     left = proctree.wait_gone(sessions, 60)
-    assert not left, f"kill -9 left processes of the run's vLLM server:\n{proctree.describe(left)}"
+    if left:  # named, then killed: a failed run must not leave a server behind either
+        found = proctree.describe(left)
+        proctree.kill_sessions(sessions)
+        raise AssertionError(f"kill -9 left processes of the run's vLLM server:\n{found}")
     (folder,) = folders()
     before = whole_records(folder)
     assert 0 < len(before) < 24, "the kill must land mid-run"

@@ -193,6 +193,27 @@ def test_a_request_while_the_batch_waits_does_not_compute_again(
         ds.close()
 
 
+def test_the_window_is_asked_for_in_halves():
+    """The loop calls ``request_ahead`` every step; the target is asked for half a window of new
+    batches at a time (not one batch a step: its forwards stay large), the rank's share only,
+    and a new epoch's (or a resumed run's) batches start a new window."""
+    from types import SimpleNamespace
+
+    from eagle3.train.online import OnlineStates
+
+    asked: list[list[int]] = []
+    ds = SimpleNamespace(_ahead=None, request=asked.append)
+    batches = [[10 * b, 10 * b + 1] for b in range(12)]
+    for at in range(12):
+        OnlineStates.request_ahead(ds, batches, at, 4, rank=1, world=2)
+    ats = [a[0] // 10 for a in asked]
+    assert ats == [1, 3, 5, 7, 9, 11]  # asked at steps 0, 2, 4, ...: [at, at + 4), odd batches
+    assert asked[0] == [10, 11, 30, 31] and asked[1] == [30, 31, 50, 51]
+    again = [list(b) for b in batches]  # the next epoch: a new list, asked for at once
+    OnlineStates.request_ahead(ds, again, 5, 4)
+    assert asked[-1] == [50, 51, 60, 61, 70, 71, 80, 81]
+
+
 def test_producer_thread_failure_reaches_the_batch(online_extract, smol_model, tmp_path):
     """A target that fails on the producer thread fails the batch that needed it, with the
     cause, instead of hanging the loader."""

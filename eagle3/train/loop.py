@@ -356,9 +356,8 @@ def run_epochs(
                 queue.settle()
                 return False
             at, g = state.batch_in_epoch, run.group
-            if isinstance(run.ds, OnlineStates):  # requests ahead of the loader (vLLM)
-                ahead = batches[at : at + tc.online_prefetch * g][d.rank :: d.world]
-                run.ds.request([i for idx in ahead for i in idx])
+            if isinstance(run.ds, OnlineStates):  # requests ahead of the loader
+                run.ds.request_ahead(batches, at, tc.online_prefetch * g, d.rank, d.world)
             if run.loader is not None:  # this rank's batches of this step and the next
                 run.loader.prefetch(batches[at : at + 2 * g][d.rank :: d.world])
             lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio, tc.lr_schedule)

@@ -9,11 +9,12 @@ in for :class:`~eagle3.extract.storage.HiddenStateDataset` (same ``ids``, ``leng
 Why it is not slower than offline (issue 38; measured in docs/benchmarks.md, "Online states"):
 
 - **Batched and ahead.** The training loop ``request``\\ s the next ``train.online_prefetch``
-  batches; the in-process target (``hf``) computes their missing samples in
-  ``extract.token_budget``-token forwards (as extract does, not one training batch at a time),
-  on a thread and CUDA stream of its own (:class:`~eagle3.train.producers.ProducerThread`, with
-  the loader's thread) so it overlaps the draft's step and the loader's padding instead of
-  queueing behind them, and its states never leave the GPU. The vLLM source (``vllm``: the target's
+  batches, half of them at a time (:meth:`OnlineStates.request_ahead`); the in-process target
+  (``hf``) computes their missing samples in ``extract.token_budget``-token forwards (as
+  extract does, not one training batch at a time), on a thread and CUDA stream of its own
+  (:class:`~eagle3.train.producers.ProducerThread`, with the loader's thread) so it overlaps the
+  draft's step and the loader's padding instead of queueing behind them, and its states never
+  leave the GPU. The vLLM source (``vllm``: the target's
   extract server, started for the run by rank 0 and shared by every training rank) gets the
   window's requests at once and keeps several in flight (``extract.vllm_concurrency`` a rank).
 - **Reused at offline speed.** Every produced sample is kept, rounded to
@@ -109,6 +110,7 @@ class OnlineStates:
             else None
         )
         self._jobs: dict[int, Job] = {}  # sample -> the producer thread's job computing it
+        self._ahead: tuple[list[list[int]], int] | None = None  # (epoch's batches, asked up to)
 
     # the dataset interface the trainer uses
     def __len__(self) -> int:
@@ -147,6 +149,20 @@ class OnlineStates:
             if new and self.thread is not None:
                 job = self.thread.submit(new, sum(self.tokens.length(i) for i in new))
                 self._jobs.update(dict.fromkeys(new, job))
+
+    def request_ahead(
+        self, batches: list[list[int]], at: int, window: int, rank: int = 0, world: int = 1
+    ) -> None:
+        """The loop's window: ask for this rank's share of ``batches[at : at + window]`` once
+        half the window asked for last time has been trained, not every step. So the target
+        gets half a window of new samples at a time (``online_prefetch`` / 2 training batches:
+        forwards of up to ``extract.token_budget`` tokens, as extract's) instead of one training
+        batch a step, which left its forwards small and its per-forward cost paid ~8x as often."""
+        last = self._ahead
+        if last is not None and last[0] is batches and at < last[1] - window // 2:
+            return
+        self._ahead = (batches, at + window)
+        self.request([i for idx in batches[at : at + window][rank::world] for i in idx])
 
     def _compute_keep(self, idx: list[int]) -> None:
         """The hf target's states of ``idx`` (on the current stream), kept."""
