@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_hybrid_within_a_memory_budget(offline, online_extract, smol_model, tmp_
     assert plan["memory_bytes"] == budget < plan["total_bytes"] and plan["disk_bytes"] == 0
     assert 0 < st["memory_bytes"] <= budget and st["disk_samples"] == 0
     kept = st["memory_samples"]
-    assert 0 < kept < N
+    assert 0 < kept < N and st["device_data"] is False  # not every sample held
     e1, e2 = (e["states"] for e in epochs(tmp_path / "train"))
     assert e1 == {"memory": 0, "disk": 0, "produced": N, "cached": 0.0}
     assert e2 == {"memory": kept, "disk": 0, "produced": N - kept, "cached": kept / N}
@@ -136,6 +137,7 @@ def test_hybrid_auto_computes_each_state_once(offline, online_extract, smol_mode
     plan = st["cache_plan"]
     assert plan["memory_bytes"] == plan["total_bytes"] == st["memory_bytes"] > 0
     assert st["produced"] == N and st["from_memory"] == N and st["from_disk"] == 0
+    assert st["device_data"] is True  # epoch 2 gathered as offline's device data
     assert [e["states"]["cached"] for e in epochs(tmp_path / "train")] == [0.0, 1.0]
     assert not list((tmp_path / "train" / "state-cache").glob("*.safetensors"))
 
@@ -197,8 +199,6 @@ def test_the_window_is_asked_for_in_halves():
     """The loop calls ``request_ahead`` every step; the target is asked for half a window of new
     batches at a time (not one batch a step: its forwards stay large), the rank's share only,
     and a new epoch's (or a resumed run's) batches start a new window."""
-    from types import SimpleNamespace
-
     from eagle3.train.online import OnlineStates
 
     asked: list[list[int]] = []
@@ -369,6 +369,30 @@ def test_memory_cache_gather_is_the_stored_values(dtype):
         a, f = from_stored(stored[i], torch.float32)
         assert torch.equal(aux[j, :n], a[:n]) and torch.equal(final[j, :n], f[:n])
         assert not aux[j, n:].any() and not final[j, n:].any()
+
+    # the same cache served as offline's device data (the loop switches to it once every
+    # sample is held): the batch carries the same states, ids and target distribution
+    from eagle3.train.batch import batch_from_padded
+    from eagle3.train.device_data import make_batch_device
+    from eagle3.train.target import TargetHead
+
+    tokens = [SimpleNamespace(input_ids=torch.arange(n) + 10 * i) for i, n in enumerate((5, 3, 7))]
+    for t in tokens:
+        t.loss_mask = t.input_ids % 2 == 0
+    data = m.as_device_data(tokens, torch.device("cpu"))
+    t2draft = torch.tensor([0, -1, 1, -1, 2, -1])
+    head = TargetHead(
+        torch.rand(3) + 0.5, torch.randn(6, 3), torch.tensor([0, 2, 4]), t2draft, 1e-6
+    )
+    data.remember_argmax(head)
+    got = make_batch_device(data, [1, 0], head, max_seq_len=4)
+    ids = torch.stack([torch.tensor([10, 11, 12, 0]), torch.arange(4)])
+    valid = torch.tensor([[True] * 3 + [False], [True] * 4])
+    want = batch_from_padded(
+        ids, (ids % 2 == 0) & valid, aux, final, valid, head, 1024, "predicted"
+    )
+    for name in ("input_ids", "aux", "probs", "target_arg", "target_ok"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_kill_9_mid_epoch_resumes_to_the_same_weights(

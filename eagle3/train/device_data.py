@@ -62,11 +62,21 @@ class DeviceData:
     start: list[int]
     length: list[int]
     arg: torch.Tensor | None = None  # [N] int32 the target's argmax (draft index), see below
+    # fp8 states (the online memory cache's, eagle3/train/online.py): a float32 scale a row,
+    # dequantised per batch on the device
+    aux_scale: torch.Tensor | None = None  # [N]
+    final_scale: torch.Tensor | None = None  # [N]
 
-    def remember_argmax(self, head: TargetHead) -> None:
+    def remember_argmax(self, head: TargetHead, step: int = 1 << 18) -> None:
         """The target's full-vocab argmax of every stored token, computed once here (one pass of
         the target head over the states) so that each batch runs only its draft rows."""
-        self.arg = target_argmax(self.final, head)
+        if self.final_scale is None:
+            self.arg = target_argmax(self.final, head)
+            return
+        rows = torch.arange(self.final.shape[0], device=self.final.device)
+        self.arg = torch.cat(
+            [target_argmax(_rows(self.final, self.final_scale, r), head) for r in rows.split(step)]
+        )
 
     @classmethod
     def load(cls, ds: HiddenStateDataset, device: torch.device) -> DeviceData:
@@ -105,6 +115,14 @@ class DeviceData:
         return cls(flat["ids"], flat["mask"], flat["aux"], flat["final"], start, length)
 
 
+def _rows(x: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]``; fp8 (a ``scale``) dequantised to what the padded path gives: bf16 on CUDA,
+    float32 on the CPU (eagle3/train/state_cache.py, ``MemoryCache.gather``)."""
+    if scale is None:
+        return x[rows]
+    return dequantize_fp8(x[rows], scale[rows], torch.bfloat16 if x.is_cuda else torch.float32)
+
+
 def make_batch_device(
     data: DeviceData,
     idx: list[int],
@@ -128,8 +146,8 @@ def make_batch_device(
     rows, valid = rows.to(dev, non_blocking=pin), valid.to(dev, non_blocking=pin)
     ids = torch.where(valid, data.input_ids[rows], 0)
     mask = data.loss_mask[rows] & valid
-    aux = data.aux[rows] * valid[..., None]
-    final = data.final[rows] * valid[..., None]
+    aux = _rows(data.aux, data.aux_scale, rows) * valid[..., None]
+    final = _rows(data.final, data.final_scale, rows) * valid[..., None]
     arg = None if data.arg is None else data.arg[rows]
     return batch_from_padded(ids, mask, aux, final, valid, head, chunk, positions, arg)
 

@@ -27,12 +27,7 @@ from eagle3.extract.storage import HiddenStateDataset
 from eagle3.serving.gpus import release_gpus
 from eagle3.target_checkpoint import checkpoint_dir
 from eagle3.tracking import Tracker, open_train_tracker
-from eagle3.train.batch import (
-    add_feature_noise,
-    epoch_batches,
-    make_batch,
-    zero_weight,
-)
+from eagle3.train.batch import add_feature_noise, epoch_batches, make_batch, zero_weight
 from eagle3.train.build import build_model
 from eagle3.train.checkpoint import TrainState, load_checkpoint, save_checkpoint, trainable_full
 from eagle3.train.compiled import maybe_compile
@@ -358,7 +353,7 @@ def run_epochs(
             at, g = state.batch_in_epoch, run.group
             if isinstance(run.ds, OnlineStates):  # requests ahead of the loader
                 run.ds.request_ahead(batches, at, tc.online_prefetch * g, d.rank, d.world)
-            if run.loader is not None:  # this rank's batches of this step and the next
+            if run.loader is not None and run.data is None:  # this step's batches and the next
                 run.loader.prefetch(batches[at : at + 2 * g][d.rank :: d.world])
             lr = lr_at(state.step, run.total_steps, tc.lr, tc.warmup_ratio, tc.lr_schedule)
             step_batches = batches[at : at + g]
@@ -372,6 +367,7 @@ def run_epochs(
         state.history[-1]["s"] = round(time.perf_counter() - epoch_t0, 2)  # resumed: the rest
         if isinstance(run.ds, OnlineStates):  # where this epoch's states came from
             state.history[-1]["states"] = run.ds.take_epoch()
+            run.data = run.data or run.ds.device_data(run.head)  # all cached: offline path
         state.epoch += 1
         state.batch_in_epoch = 0
         state.epoch_sums = {}
@@ -412,6 +408,8 @@ def batch_of(run: Run, idx: list[int]) -> Any:
     else read from the shards (the fast step's loader, or the eager step's reference batch)."""
     tc = run.cfg.train
     if run.data is not None:
+        if isinstance(run.ds, OnlineStates):
+            run.ds.count_memory(idx)
         return make_batch_device(
             run.data, idx, run.head, tc.max_seq_len, positions=tc.loss_positions
         )

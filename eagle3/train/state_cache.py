@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from eagle3.atomic import atomic_path, write_json_atomic
 from eagle3.extract.storage import decode_states, encode_states
 from eagle3.plan_rates import DISK_MARGIN_MIN, DISK_MARGIN_SHARE, HOST_SHARE
-from eagle3.train.device_data import AUTO_SHARE
+from eagle3.train.device_data import AUTO_SHARE, DeviceData
 
 
 def stored_form(aux: torch.Tensor, final: torch.Tensor, storage_dtype: str) -> dict[str, Any]:
@@ -122,6 +122,29 @@ class MemoryCache:
                 x = x.float() * getattr(self, f"{name}_scale")[rows][..., None]
             out.append(torch.where(valid, x.to(dtype), 0))
         return out[0], out[1]
+
+    def as_device_data(self, tokens: Any, device: torch.device) -> DeviceData:
+        """Every held sample as :class:`~eagle3.train.device_data.DeviceData`: views of the flat
+        state tensors (fp8 stays fp8 with its scales), the token ids and loss masks of
+        ``tokens`` (the extract's) copied to ``device`` in this cache's row order."""
+        ids = torch.zeros(self.used, dtype=torch.int64)
+        mask = torch.zeros(self.used, dtype=torch.bool)
+        start, length = [0] * len(tokens), [0] * len(tokens)
+        for i, (at, n) in self.start.items():
+            s = tokens[i]
+            ids[at : at + n], mask[at : at + n] = s.input_ids[:n], s.loss_mask[:n]
+            start[i], length[i] = at, n
+        rows = slice(0, self.used)
+        return DeviceData(
+            ids.to(device),
+            mask.to(device),
+            self.aux[rows],
+            self.final[rows],
+            start,
+            length,
+            aux_scale=None if self.aux_scale is None else self.aux_scale[rows],
+            final_scale=None if self.final_scale is None else self.final_scale[rows],
+        )
 
 
 class StateCache:
