@@ -434,10 +434,10 @@ def evaluate(
     ``parallel``: the draft served with parallel drafting (one pass for all k tokens)."""
     from eagle3.extract.storage import HiddenStateDataset
     from eagle3.verify.offline import (
+        capped_chains,
         chain_accepts,
         load_draft_for_eval,
         summarize_chains,
-        walk_chains,
     )
 
     draft, d2t = load_draft_for_eval(draft_dir, target_dir, device)
@@ -456,8 +456,7 @@ def evaluate(
             walks.append((acc[j], int(s.loss_mask.long().argmax()) - 1, len(s)))
 
     def at(kk: int) -> dict:
-        chains = [a for acc, p, n in walks for a in walk_chains([min(x, kk) for x in acc], p, n)]
-        return summarize_chains(chains, kk)
+        return summarize_chains(capped_chains(walks, kk), kk)
 
     out = at(k)
     out["by_k"] = {kk: at(kk)["acceptance_length"] for kk in range(1, k + 1)}

@@ -160,6 +160,7 @@ online38-steps)
   [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
   E='"train.epochs='"$E4"'"'
   FP8='"extract.storage_dtype=float8_e4m3fn"'
+  BF16='"extract.storage_dtype=bfloat16"'  # the profile's default is fp8
   ON='"extract.states=online"'
   # a first short arm pays torch.compile's cold start (47.7 s vs 35.5 s warm in session 17)
   "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/warmup.jsonl \
@@ -168,11 +169,11 @@ online38-steps)
   for n in ${ARMS:-}; do
     gen=/tmp/q/MIXN work=/tmp/q/W38 name="$n-$N4" set="$V, $E"
     case "$n" in
-      hybrid-bf16) e="$ON" set="$set, \"train.state_cache_gib=auto\"" ;;
+      hybrid-bf16) e="$ON, $BF16" set="$set, \"train.state_cache_gib=auto\"" ;;
       hybrid-fp8) e="$ON, $FP8" set="$set, \"train.state_cache_gib=auto\"" ;;
-      off-bf16) e="" ;;
+      off-bf16) e="$BF16" ;;
       off-fp8) e="$FP8" ;;
-      online-bf16) e="$ON" set="$set, \"train.state_cache_gib=0\"" ;;
+      online-bf16) e="$ON, $BF16" set="$set, \"train.state_cache_gib=0\"" ;;
       off-fp8-all) gen=/tmp/q/MIX work=/tmp/q/WF name=$n e="$FP8" set="$V, \"train.data_on_device=on\"" ;;
       hybrid-fp8-all) gen=/tmp/q/MIX work=/tmp/q/WF name=$n e="$ON, $FP8" set="$V, \"train.state_cache_gib=auto\", \"train.state_cache_memory_gib=${GPU_GIB:-40}\"" ;;
       *) echo "unknown arm $n"; continue ;;

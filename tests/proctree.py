@@ -7,6 +7,8 @@ children stay in it, re-parented to init or not. So: record the sessions of ever
 the command while it runs (``sessions``), then wait until no live process is left in any of them
 (``wait_gone``). A process a survivor starts later lands in the same session and is counted too.
 The test's own session is never counted (a command started without a session of its own).
+It reads /proc itself, not through ``eagle3.serving.process.group_members``: a check must not share
+the code it checks (a reader that finds nothing would make "nothing left" pass).
 """
 
 from __future__ import annotations

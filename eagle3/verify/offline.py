@@ -133,6 +133,12 @@ def walk_chains(acc: Sequence[int], start: int, length: int) -> list[int]:
     return out
 
 
+def capped_chains(walks: Sequence[Sequence[Any]], k: int) -> list[int]:
+    """The chains of every walk (accepted counts at every start, start, length) with each count
+    capped at ``k``: what vLLM's proposer runs at that k (it walks them anew at each k)."""
+    return [a for acc, p, n, *_ in walks for a in walk_chains([min(x, k) for x in acc], p, n)]
+
+
 def summarize_chains(accepted: Sequence[int], k: int) -> dict[str, Any]:
     n = len(accepted)
     if n == 0:
@@ -238,11 +244,7 @@ def offline_acceptance(
         walks.append((acc[0].tolist(), len(prompt) - 1, ids.numel(), group))
 
     def at(kk: int, which: Sequence[int]) -> dict[str, Any]:
-        chains = [
-            a
-            for i in which
-            for a in walk_chains([min(x, kk) for x in walks[i][0]], walks[i][1], walks[i][2])
-        ]
+        chains = capped_chains([walks[i] for i in which], kk)
         seqs = [scored[i] for i in which]
         ngram = simulate_ngram(seqs, kk, *ngram_lookup) if ngram_lookup is not None else None
         return {**summarize_chains(chains, kk), "sequences": len(which), "k": kk, "ngram": ngram}
