@@ -20,11 +20,11 @@ Why it is not slower than offline (issue 38; measured in docs/benchmarks.md, "On
 - **Reused at offline speed.** Every produced sample is kept, rounded to
   ``extract.storage_dtype`` (bf16, or fp8 with a scale a row: half the bytes), in one flat
   :class:`MemoryCache` on the training GPU when it fits there as offline states do (the same
-  share of free memory), else in (pinned) host memory; a batch whose samples are all there is one
-  gather, as offline's. What memory cannot hold goes to files on disk (:class:`StateCache`); the
-  rest is recomputed each epoch. ``train.state_cache_gib: auto`` keeps every state memory and disk
-  allow (:func:`cache_plan`), so a run whose states fit ("hybrid") reads only the cache after its
-  first epoch; ``0`` recomputes every epoch ("online").
+  share of free memory), else in (pinned) host memory; once it holds every sample on the training
+  device, later epochs use it as offline's device data (:meth:`OnlineStates.device_data`). What
+  memory cannot hold goes to files on disk (:class:`StateCache`); the rest is recomputed each
+  epoch. ``train.state_cache_gib: auto`` keeps every state memory and disk allow
+  (:func:`cache_plan`): hybrid, only the cache after epoch 1 if all fit; ``0``: online.
 
 A sample trains on the same values whether it was just computed, read from memory or disk, or
 (offline) read from a shard: every state goes through the same rounding (tests compare the
