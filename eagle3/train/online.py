@@ -14,9 +14,9 @@ Why it is not slower than offline (issue 38; measured in docs/benchmarks.md, "On
   extract does, not one training batch at a time), on a thread and CUDA stream of its own
   (:class:`~eagle3.train.producers.ProducerThread`, with the loader's thread) so it overlaps the
   draft's step and the loader's padding instead of queueing behind them, and its states never
-  leave the GPU. The vLLM source (``vllm``: the target's
-  extract server, started for the run by rank 0 and shared by every training rank) gets the
-  window's requests at once and keeps several in flight (``extract.vllm_concurrency`` a rank).
+  leave the GPU. The vLLM source (``vllm``: the target's extract server, started for the run by
+  rank 0 and shared by every training rank) gets the window's requests at once and keeps several
+  in flight (``extract.vllm_concurrency`` a rank).
 - **Reused at offline speed.** Every produced sample is kept, rounded to
   ``extract.storage_dtype`` (bf16, or fp8 with a scale a row: half the bytes), in one flat
   :class:`MemoryCache` on the training GPU when it fits there as offline states do (the same
