@@ -73,9 +73,11 @@ class DeviceData:
         if self.final_scale is None:
             self.arg = target_argmax(self.final, head)
             return
-        rows = torch.arange(self.final.shape[0], device=self.final.device)
         self.arg = torch.cat(
-            [target_argmax(_rows(self.final, self.final_scale, r), head) for r in rows.split(step)]
+            [
+                target_argmax(_rows(self.final, self.final_scale, slice(a, a + step)), head)
+                for a in range(0, self.final.shape[0], step)
+            ]
         )
 
     @classmethod
@@ -115,7 +117,7 @@ class DeviceData:
         return cls(flat["ids"], flat["mask"], flat["aux"], flat["final"], start, length)
 
 
-def _rows(x: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+def _rows(x: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | slice) -> torch.Tensor:
     """``x[rows]``; fp8 (a ``scale``) dequantised to what the padded path gives: bf16 on CUDA,
     float32 on the CPU (eagle3/train/state_cache.py, ``MemoryCache.gather``)."""
     if scale is None:
