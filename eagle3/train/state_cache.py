@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.atomic import atomic_path, write_json_atomic
-from eagle3.extract.storage import decode_states, encode_states
+from eagle3.extract.storage import decode_states, dequantize_fp8, encode_states
 from eagle3.plan_rates import DISK_MARGIN_MIN, DISK_MARGIN_SHARE, HOST_SHARE
 from eagle3.train.device_data import AUTO_SHARE, DeviceData
 
@@ -119,7 +119,7 @@ class MemoryCache:
         for name in ("aux", "final"):
             x = getattr(self, name)[rows]
             if self.fp8:
-                x = x.float() * getattr(self, f"{name}_scale")[rows][..., None]
+                x = dequantize_fp8(x, getattr(self, f"{name}_scale")[rows], dtype)
             out.append(torch.where(valid, x.to(dtype), 0))
         return out[0], out[1]
 
