@@ -18,6 +18,7 @@ from eagle3.atomic import write_json_atomic
 from eagle3.config import PipelineConfig
 from eagle3.generate.client import RetryPolicy, chat_request, make_pool
 from eagle3.generate.prompts import Prompt, PromptStats
+from eagle3.signals import run_async
 
 
 def pick_knee(levels: list[dict[str, Any]], knee: float) -> int:
@@ -104,7 +105,7 @@ def profile_concurrency(
         raise ValueError(f"no usable prompts in {g.dataset} to profile with")
     results = []
     for lv in levels:
-        r = asyncio.run(_level(cfg, base_urls, prompts, lv))
+        r = run_async(_level(cfg, base_urls, prompts, lv))
         results.append(r)
         if on_level:
             on_level(r)

@@ -51,6 +51,7 @@ from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, i
 from eagle3.generate.records import build_record
 from eagle3.generate.storage import ShardStore
 from eagle3.serving.readiness import auth_headers, root_url
+from eagle3.signals import run_async
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +353,7 @@ def generate(
         )
     out_dir = Path(out_dir)
     base_urls = [root_url(u) for u in base_urls]
-    asyncio.run(check_endpoints(base_urls, cfg.target.served_model_name, cfg.serve.api_key))
+    run_async(check_endpoints(base_urls, cfg.target.served_model_name, cfg.serve.api_key))
     store = ShardStore(out_dir, shard_size=g.shard_size)
     for where, reason in store.bad_lines:
         log.warning("%s: %s; skipped (that sample is requested again)", where, reason)
@@ -382,7 +383,7 @@ def generate(
     try:
         if dropped := recheck_folder(store, check):
             runner.counts["dropped_wrong_token_ids"] = dropped
-        asyncio.run(main())
+        run_async(main())
         store.close()
         if not store.done_ids:
             raise NoResult(

@@ -7,13 +7,14 @@ Used as the serve stage's smoke check and by the demo: vLLM's
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import openai
 from openai import AsyncOpenAI
+
+from eagle3.signals import run_async
 
 
 @dataclass
@@ -78,4 +79,4 @@ async def achat(
 
 
 def chat(base_url: str, model: str, prompt: str, **kw: Any) -> ChatResult:
-    return asyncio.run(achat(base_url, model, [{"role": "user", "content": prompt}], **kw))
+    return run_async(achat(base_url, model, [{"role": "user", "content": prompt}], **kw))

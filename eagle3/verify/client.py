@@ -16,6 +16,7 @@ from typing import Any
 import openai
 from openai import AsyncOpenAI
 
+from eagle3.signals import run_async
 from eagle3.verify.workload import Conversation
 
 
@@ -156,7 +157,7 @@ def run_workload(
     timeout_s: float = 600,
     on_result: Callable[[TurnResult], None] | None = None,
 ) -> WorkloadRun:
-    return asyncio.run(
+    return run_async(
         _run(
             base_url,
             model,
