@@ -172,3 +172,16 @@ def test_parallel_ks_follow_the_trained_depths(tmp_path):
     assert parallel_ks(off, tmp_path) == []
     (tmp_path / "config.json").write_text(json.dumps({"draft_vocab_size": 8}))
     assert parallel_ks(cfg, tmp_path) == []
+
+
+def test_an_ngram_sweep_that_failed_reports_no_ngram_numbers():
+    """The n-gram's k = 1 server served, its k = 3 server died: the sweep raised (reported as
+    "not measured"), so the report carries no n-gram windows, not those of the k = 1 server."""
+    from eagle3.verify.arms import ngram_arm
+    from eagle3.verify.sweep import MethodSweep
+
+    first = ([("k=1 windows",)], {"ready_s": 20.0})
+    servers = {("draft", 1): ([], {}), ("ngram", 1): first}
+    assert ngram_arm(servers, None, 1) == (None, None)
+    done = MethodSweep("n-gram", [1, 3], {1: 1.2, 3: 1.5})
+    assert ngram_arm(servers, done, 1) == first

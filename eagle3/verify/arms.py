@@ -226,6 +226,19 @@ def chosen_ks(cfg: Any, sweeps: Sweeps | None) -> tuple[int, int, bool]:
     return kd, kn, sw is parallel
 
 
+def ngram_arm(
+    servers: dict[tuple[str, int], tuple[list[Window], dict[str, Any]]],
+    sweep: MethodSweep | None,
+    k: int,
+) -> tuple[list[Window] | None, dict[str, Any] | None]:
+    """The n-gram arm of the report: its windows and server at ``k``, or none when its sweep did
+    not finish (a server that failed after another had served: the report would otherwise show
+    that first server's numbers beside "not measured")."""
+    if sweep is None:
+        return None, None
+    return servers.get(("ngram", k), (None, None))
+
+
 def parallel_ks(cfg: Any, draft_dir: Path) -> list[int]:
     """The sweep's ks the draft serves with parallel drafting: those from 2 up to the depths it
     was trained for (its config.json's ``parallel_drafting_depths``; at k = 1 both ways are the
@@ -325,6 +338,6 @@ def measure_sweep(
         if sw is not None:
             log(f"verify: {sw.summary_line()}")
     spec_w, spec_info = servers[("parallel" if par else "draft", kd)]
-    ngram_w, ngram_info = servers.get(("ngram", kn), (None, None))
+    ngram_w, ngram_info = ngram_arm(servers, ngram, kn)
     arms = Arms(base, base_info, spec_w, spec_info, ngram_w, ngram_info, reason)
     return arms, sweeps, offline_par if par else offline
