@@ -28,7 +28,9 @@
 #       `stage`: offline / online / hybrid x bf16 / fp8 on N4=3,000 samples x E4=2 epochs; FULL=1
 #       adds the whole mixture, hybrid fp8, at the profile's epochs; in the background: `poll`)
 #       ARMS= picks the arms (online38 below), P40=1 then runs `peagle40-steps` (issue 40: sequential vs
-#       parallel drafting, hybrid fp8, N4 samples x E4 epochs, acceptance at k = 1..8 both ways)
+#       parallel drafting, hybrid fp8, N4 samples x E4 epochs or P40ALL=1 all samples, acceptance at
+#       k = 1..8 both ways; P40ARMS= picks the drafts, -lN suffix: N decoder layers); ARMS="" runs
+#       only the drafts
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
 #       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
 #
@@ -149,7 +151,8 @@ online38)
   mkdir -p /tmp/q
   D38="hybrid-bf16 off-bf16 hybrid-fp8 off-fp8 online-bf16"
   [ "${FULL:-0}" = 1 ] && D38="$D38 hybrid-fp8-all"
-  setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" ARMS="${ARMS:-$D38}" P40="${P40:-0}" \
+  setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" ARMS="${ARMS-$D38}" P40="${P40:-0}" \
+    P40ARMS="${P40ARMS:-}" P40ALL="${P40ALL:-0}" GPU_GIB="${GPU_GIB:-40}" \
     bash -c 'bash bench/quality_gpu.sh online38-steps; [ "$P40" = 1 ] && bash bench/quality_gpu.sh peagle40-steps' \
     > /tmp/q/online.log 2>&1 < /dev/null &
   sleep "${WAIT:-90}"; tail -n 30 /tmp/q/online.log
@@ -186,18 +189,32 @@ online38-steps)
   echo "all done t=$(($(date +%s) - T0))s"
   ;;
 peagle40-steps)
-  # issue 40: the same recipe trained for sequential drafting (TTT 3), for both (TTT 3 +
-  # parallel depths 8) and for parallel drafting alone (TTT 1 + depths 8), hybrid fp8 on the
-  # mixture's first N4 samples, E4 epochs; every draft scored at k = 1..8 (by_k) on MT-bench and
-  # the held-out answers, the parallel-capable ones both ways (the *_parallel columns)
+  # issue 40: the same recipe trained for sequential drafting (seq-ttt3: TTT 3), for both
+  # (par8-ttt3: TTT 3 + parallel depths 8) and for parallel drafting alone (par8-ttt1: TTT 1 +
+  # depths 8); a suffix -lN gives the draft N decoder layers (train.draft_num_layers, e.g.
+  # par8-ttt1-l2). Hybrid fp8 states; P40ARMS picks the drafts (default the three); on the
+  # mixture's first N4 samples x E4 epochs, or with P40ALL=1 the whole mixture at the profile's
+  # epochs (states in GPU memory, GPU_GIB). Every draft is scored at k = 1..8 (by_k) on MT-bench
+  # and the held-out answers, the parallel-capable ones both ways (the *_parallel columns)
   online_data
-  [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
   RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT --k 8)
   ONL='"extract.states=online", "extract.storage_dtype=float8_e4m3fn"'
-  for x in "seq-ttt3|" "par8-ttt3|, \"train.parallel_depths=8\"" "par8-ttt1|, \"train.parallel_depths=8\", \"train.ttt_steps=1\""; do
-    IFS='|' read -r n st <<< "$x"
-    "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/results40.jsonl --keep-draft "$n-$N4" \
-      --exp '{"name": "'"$n"'-'"$N4"'", "extract": ['"$ONL"'], "set": ['"$V"', "train.epochs='"$E4"'", "train.state_cache_gib=auto"'"$st"']}' \
+  if [ "${P40ALL:-0}" = 1 ]; then
+    gen=/tmp/q/MIX work=/tmp/q/WF tag=all more=", \"train.state_cache_memory_gib=${GPU_GIB:-40}\""
+  else
+    [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
+    gen=/tmp/q/MIXN work=/tmp/q/W38 tag=$N4 more=", \"train.epochs=$E4\""
+  fi
+  for n in ${P40ARMS:-seq-ttt3 par8-ttt3 par8-ttt1}; do
+    case "${n%-l[0-9]}" in
+      seq-ttt3) st="" ;;
+      par8-ttt3) st=', "train.parallel_depths=8"' ;;
+      par8-ttt1) st=', "train.parallel_depths=8", "train.ttt_steps=1"' ;;
+      *) echo "unknown draft $n"; continue ;;
+    esac
+    case "$n" in *-l[0-9]) st="$st, \"train.draft_num_layers=${n##*-l}\"" ;; esac
+    "${RUN[@]}" --train-gen "$gen" --work "$work" --out /tmp/q/results40.jsonl --keep-draft "$n-$tag" \
+      --exp '{"name": "'"$n"'-'"$tag"'", "extract": ['"$ONL"'], "set": ['"$V"', "train.state_cache_gib=auto"'"$more$st"']}' \
       2>&1 | grep -E '^\{|rror|Traceback' | cut -c 1-600
     echo "$n done t=$(($(date +%s) - T0))s"
   done

@@ -344,6 +344,15 @@ class TrainConfig(_Section):
     draft_num_attention_heads: int | None = None
     draft_num_key_value_heads: int | None = None
     draft_intermediate_size: int | None = None
+    draft_num_layers: int = Field(
+        1,
+        ge=1,
+        description="Decoder layers of the draft: the first reads the embeddings and the target's "
+        "states, the next ones its residual stream, as vLLM's llama_eagle3.py serves them "
+        "(num_hidden_layers in the export). Each adds a layer's forward to every draft pass; "
+        "P-EAGLE recipes use 2-4 so that one pass can look further ahead (docs/train.md, "
+        "Parallel drafting). Llama drafts only.",
+    )
     step_impl: Literal["auto", "eager", "fast"] = Field(
         "auto",
         description="The TTT step. fast: causal attention with the TTT diagonals folded in, the "

@@ -123,6 +123,7 @@ def test_config_from_nested_and_legacy_rope():
 #: RoPE (original 16 positions, so it bites at these lengths), with and without q_lora_rank.
 DRAFTS = {
     "llama": lambda: (Eagle3Draft, tiny_cfg()),
+    "llama-3-layers": lambda: (Eagle3Draft, tiny_cfg(num_layers=3)),
     "mla": lambda: (
         Eagle3MLADraft,
         tiny_mla_cfg(rope_scaling=dict(KIMI_YARN, original_max_position_embeddings=16)),
@@ -176,10 +177,18 @@ def test_shapes_forward_backward(arch):
 KV_SHAPES = {"llama": ((2, 2, 3, 8), (2, 2, 3, 8)), "mla": ((2, 4, 3, 16), (2, 4, 3, 6))}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mla"])
+@pytest.mark.parametrize("arch", ["llama", "mla", "llama-3-layers"])
 def test_causal_and_masks_and_kv_prefix(arch):
+    """With several layers the prefix is a LayerCaches, one (k, v) per layer, each layer's keys
+    of the earlier positions: the halves, the token-at-a-time and the TTT step hold as with one."""
+    from eagle3.draft.common import LayerCaches, per_layer
+
     torch.manual_seed(1)
-    cls, cfg = (Eagle3Draft, tiny_cfg()) if arch == "llama" else (Eagle3MLADraft, tiny_mla_cfg())
+    cls, cfg = {
+        "llama": (Eagle3Draft, tiny_cfg()),
+        "mla": (Eagle3MLADraft, tiny_mla_cfg()),
+        "llama-3-layers": (Eagle3Draft, tiny_cfg(num_layers=3)),
+    }[arch]
     m = cls(cfg).eval()
     b, t = 2, 8
     ids = torch.randint(0, cfg.vocab_size, (b, t))
@@ -202,7 +211,10 @@ def test_causal_and_masks_and_kv_prefix(arch):
         o1, _, kv = m(ids[:, :3], aux[:, :3], use_cache=True)
         o2, _ = m(ids[:, 3:], aux[:, 3:], past_kv=kv)
         assert torch.allclose(torch.cat([o1, o2], 1), out, atol=1e-5)
-        assert (kv[0].shape, kv[1].shape) == KV_SHAPES[arch]
+        layers = kv if isinstance(kv, LayerCaches) else [kv]
+        assert len(layers) == getattr(cfg, "num_layers", 1)
+        for k, v in layers:
+            assert (k.shape, v.shape) == KV_SHAPES[arch.split("-")[0]]
         # one token at a time == one pass
         past, outs = None, []
         for i in range(t):
@@ -210,7 +222,11 @@ def test_causal_and_masks_and_kv_prefix(arch):
             past = (
                 kv_i
                 if past is None
-                else (torch.cat([past[0], kv_i[0]], 2), torch.cat([past[1], kv_i[1]], 2))
+                else per_layer(
+                    lambda p, n: (torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2)),
+                    past,
+                    kv_i,
+                )
             )
             outs.append(o)
         assert torch.allclose(torch.cat(outs, 1), out, atol=1e-5)
@@ -505,6 +521,76 @@ def test_export_speculators_roundtrip(tmp_path):
     assert back.config == cfg and torch.equal(d2t, vocab.d2t) and torch.equal(t2d, vocab.t2d)
 
 
+def test_later_layers_follow_vllms_fused_norms():
+    """A 3-layer draft = llama_eagle3.py's forward written out: each layer returns (hidden,
+    residual) apart, the next layer's input_layernorm adds them before it normalises (vLLM's
+    fused add-norm), the final norm adds the last pair; ``out`` is that pre-norm sum."""
+    torch.manual_seed(6)
+    m = Eagle3Draft(tiny_cfg(num_layers=3)).eval()
+    b, t = 2, 7
+    ids = torch.randint(0, 100, (b, t))
+    aux = torch.randn(b, t, m.config.fc_input_size)
+    with torch.no_grad():
+        out, logits = m(ids, aux)
+        cos, sin = m.rotary(torch.arange(t).expand(b, t), aux.dtype)
+        l0 = m.midlayer
+        residual = m.fc(aux)
+        x = torch.cat([l0.input_layernorm(m.embed_tokens(ids)), l0.hidden_norm(residual)], -1)
+        residual = l0.self_attn(x, cos, sin, None, None)[0] + residual
+        hidden = l0.mlp(l0.post_attention_layernorm(residual))
+        for layer in m.layers.values():
+            residual = hidden + residual  # input_layernorm(hidden, residual)
+            a = layer.self_attn(layer.input_layernorm(residual), cos, sin, None, None)[0]
+            residual = a + residual  # post_attention_layernorm(a, residual)
+            hidden = layer.mlp(layer.post_attention_layernorm(residual))
+        prenorm = hidden + residual  # norm(hidden, residual)
+    torch.testing.assert_close(out, prenorm)
+    torch.testing.assert_close(logits, m.lm_head(m.norm(prenorm)))
+    assert list(m.layers) == ["1", "2"] and m.layers["1"].self_attn.q_proj.in_features == 32
+
+
+def test_multi_layer_export_roundtrip(tmp_path):
+    """vLLM loads layers 1.. by their own names (``layers.{j}.*``, H-wide q/k/v) and builds
+    ``num_hidden_layers`` of them; both formats carry it and load back to the same draft."""
+    torch.manual_seed(5)
+    cfg = tiny_cfg(num_layers=2)
+    m = Eagle3Draft(cfg).eval()
+    vocab = tiny_vocab(cfg)
+    ids, aux = torch.randint(0, 100, (1, 6)), torch.randn(1, 6, cfg.fc_input_size)
+    for fmt, out in [
+        ("vllm", export_vllm(m, cfg, vocab.d2t, vocab.t2d, tmp_path / "v", dtype=torch.float32)),
+        (
+            "speculators",
+            export_speculators(
+                m, cfg, vocab.d2t, vocab.t2d, tmp_path / "s", verifier="t", dtype=torch.float32
+            ),
+        ),
+    ]:
+        conf = json.loads((out / "config.json").read_text())
+        layer = conf.get("transformer_layer_config", conf)
+        assert layer["num_hidden_layers"] == 2, fmt
+        names = set(load_file(str(out / "model.safetensors")))
+        assert {n for n in names if n.startswith("layers.1.")} == {
+            f"layers.1.{n}"
+            for n in (
+                "input_layernorm.weight",
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "post_attention_layernorm.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "mlp.down_proj.weight",
+            )
+        }, fmt
+        back, _, _ = load_exported(out)
+        back.embed_tokens.weight.data.copy_(m.embed_tokens.weight)
+        assert back.config == cfg, fmt
+        with torch.no_grad():
+            torch.testing.assert_close(back(ids, aux)[1], m(ids, aux)[1])
+
+
 def test_vllm_loader_names_from_source():
     """The names we export are the ones llama_eagle3.py's loader maps onto its parameters
     (checked against the installed vLLM source when it is there)."""
@@ -529,7 +615,11 @@ def test_vllm_loader_names_from_source():
         assert stacked in src
     assert 'name.replace("d2t", "draft_id_to_target_id")' in src and '"t2d" in name' in src
     assert "torch.cat([embeds, hidden_states], dim=-1)" in src  # embeddings first
-    assert "qkv_input_size = 2 * self.hidden_size" in src
+    assert "qkv_input_size = 2 * self.hidden_size if layer_idx == 0 else self.hidden_size" in src
+    # layers 1..: one per num_hidden_layers, the stream through fused add-norms (what
+    # test_later_layers_follow_vllms_fused_norms writes out)
+    assert "for layer_idx in range(self.config.num_hidden_layers)" in src
+    assert "hidden_states, residual = self.input_layernorm(hidden_states, residual)" in src
     for n in (
         "input_layernorm",
         "hidden_norm",
@@ -600,3 +690,19 @@ def test_checkpoint_dir_finds_a_hub_id_in_the_local_cache_and_never_downloads(
     assert checkpoint_dir("org/tiny") == snap
     with pytest.raises(FileNotFoundError, match="no such folder"):
         checkpoint_dir(tmp_path / "missing")
+
+
+def test_flops_count_every_layer():
+    """MFU's numerator (eagle3/train/flops.py) counts each decoder layer's weights and attention
+    pairs once per pass; fc and the head stay one each."""
+    from eagle3.train.flops import flops_per_token, layer_params
+
+    one, three = Eagle3Draft(tiny_cfg()), Eagle3Draft(tiny_cfg(num_layers=3))
+    later = sum(p.numel() for p in three.layers["1"].parameters() if p.dim() >= 2)
+    assert layer_params(three) == layer_params(one) + 2 * later
+    assert later < layer_params(one)  # q/k/v read H, not 2H
+    f1 = flops_per_token(one.config, layer_params(one), 64, 3)
+    f3 = flops_per_token(three.config, layer_params(three), 64, 3)
+    assert f3["attention"] == 3 * f1["attention"]
+    assert f3["layer"] == 6.0 * layer_params(three) * 3
+    assert (f3["fc"], f3["lm_head"]) == (f1["fc"], f1["lm_head"])

@@ -5,6 +5,7 @@ most tokens set to the draft's own step-0 guess), so that chains of every length
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3.draft import DraftConfig, Eagle3Draft
@@ -58,8 +59,11 @@ def sequence_following_draft(
     return aux, ids
 
 
-def test_batched_estimate_equals_chain_walk():
-    draft = small_draft()
+@pytest.mark.parametrize("layers", [1, 2])
+def test_batched_estimate_equals_chain_walk(layers):
+    """The one-forward-per-step estimate (the TTT unroll's prefixes) equals the chain-by-chain
+    walk (vLLM's KV cache, each layer's with several)."""
+    draft = small_draft(num_layers=layers)
     k, start = 3, 4
     d2t = torch.arange(draft.config.draft_vocab_size)
     seqs = [sequence_following_draft(draft, n, seed) for seed, n in enumerate([40, 33, 27])]

@@ -22,11 +22,15 @@ from tests.test_offline_estimate import small_draft
 PTD = 5  # the placeholder token
 
 
-def parallel_draft(depths: int = 4, seed: int = 0, vocab: int = 8) -> Eagle3Draft:
+def parallel_draft(depths: int = 4, seed: int = 0, vocab: int = 8, layers: int = 1) -> Eagle3Draft:
     return small_draft(
         seed, vocab_size=vocab, draft_vocab_size=vocab, parallel_depths=depths,
-        parallel_token_id=PTD,
+        parallel_token_id=PTD, num_layers=layers,
     )  # fmt: skip
+
+
+#: one decoder layer, and three (P-EAGLE recipes use 2-4): every layer keeps its own KV prefix
+LAYERS = pytest.mark.parametrize("layers", [1, 3], ids=["1-layer", "3-layers"])
 
 
 @torch.no_grad()
@@ -56,9 +60,10 @@ def random_batch(draft: Eagle3Draft, length: int, seed: int) -> Batch:
     return Batch(input_ids=ids, aux=aux, probs=probs, target_arg=probs.argmax(-1), target_ok=ok)
 
 
-def test_parallel_depths_are_one_vllm_pass():
+@LAYERS
+def test_parallel_depths_are_one_vllm_pass(layers):
     """Depth d at row p of the unroll (eager and fast) = slot d of vLLM's pass at p."""
-    draft = parallel_draft()
+    draft = parallel_draft(layers=layers)
     b = random_batch(draft, 12, 1)
     L = 12
     with torch.no_grad():
@@ -75,11 +80,12 @@ def test_parallel_depths_are_one_vllm_pass():
             torch.testing.assert_close(fast_par[d][p], served[p + d], atol=1e-4, rtol=1e-4)
 
 
-def test_fast_parallel_loss_and_grads_equal_the_reference():
+@LAYERS
+def test_fast_parallel_loss_and_grads_equal_the_reference(layers):
     torch.manual_seed(0)
     grads = []
     for impl in ("eager", "fast"):
-        draft = parallel_draft().train()
+        draft = parallel_draft(layers=layers).train()
         b = random_batch(draft, 16, 2)
         obj = TTTObjective(draft, 2, 0.8, impl, parallel=4)
         loss, stats = obj(b)
@@ -96,9 +102,10 @@ def test_fast_parallel_loss_and_grads_equal_the_reference():
     assert obj.weights(torch.device("cpu")).tolist() == pytest.approx([1, 0.8, 0.8, 0.64, 0.512])
 
 
-def test_parallel_estimate_equals_served_chains():
+@LAYERS
+def test_parallel_estimate_equals_served_chains(layers):
     """chain_accepts(parallel=True) = the chains of vLLM's parallel passes, walked start to end."""
-    draft = parallel_draft(depths=4, seed=3, vocab=6)
+    draft = parallel_draft(depths=4, seed=3, vocab=6, layers=layers)
     g = torch.Generator().manual_seed(4)
     L, k = 40, 4
     aux = torch.randn(L, draft.config.fc_input_size, generator=g)

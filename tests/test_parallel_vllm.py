@@ -1,8 +1,10 @@
-"""A tiny parallel-drafting draft (train.parallel_depths) trained by the train stage, served by a
-REAL vLLM CPU server with ``parallel_drafting: true``: vLLM loads its ptd_token_id and
-mask_hidden, drafts k tokens a step in one pass, and counts per position what the offline
+"""A tiny parallel-drafting draft (train.parallel_depths) with two decoder layers
+(train.draft_num_layers, as P-EAGLE recipes have several) trained by the train stage, served by a
+REAL vLLM CPU server with ``parallel_drafting: true``: vLLM loads its ptd_token_id, mask_hidden
+and second layer, drafts k tokens a step in one pass, and counts per position what the offline
 estimate of parallel chains predicts on the same greedy outputs. One server (CI's time); the
-choice between sequential and parallel drafting is tests/test_verify_sweep.py's."""
+choice between sequential and parallel drafting is tests/test_verify_sweep.py's; one-layer drafts
+are served in tests/test_verify.py and tests/test_draft_model.py."""
 
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ def test_parallel_draft_trains_exports_and_is_served(gen_dir, smol_model, tmp_pa
 
     cfg = gen_cfg(
         tmp_path,
-        "train.epochs=3",
-        "train.lr=1e-3",
+        "train.epochs=30",
+        "train.ttt_steps=1",  # P-EAGLE alone: the pass it is served with (and a cheaper step)
+        "train.lr=3e-3",
         "train.token_budget=512",
         f"train.parallel_depths={K}",
+        "train.draft_num_layers=2",
         "serve.port=0",
         "serve.dtype=float32",  # greedy outputs unchanged by speculation: the estimate's input
         "verify.max_tokens=32",
@@ -50,10 +54,20 @@ def test_parallel_draft_trains_exports_and_is_served(gen_dir, smol_model, tmp_pa
     conf = json.loads((draft / "config.json").read_text())
     # SmolLM2's pad token (<|im_end|>, id 2) is the placeholder; trained for K tokens a pass
     assert conf["ptd_token_id"] == 2 and conf["parallel_drafting_depths"] == K
+    assert conf["num_hidden_layers"] == 2
     metrics = json.loads((tmp_path / "train" / "metrics.json").read_text())["epochs"][-1]
     assert metrics["columns"][-2:] == ["parallel 1", "parallel 2"]
 
-    convs = load_workload(str(PROMPTS), cfg.verify.num_prompts, cfg.verify.turns)
+    # served: the prompts it was trained on (it has learned their answers, so every position
+    # accepts something, and a layer vLLM got wrong would show in the counts)
+    work = tmp_path / "trained-prompts.jsonl"
+    work.write_text(
+        "".join(
+            json.dumps({"id": r["id"], "prompt": r["messages"][0]["content"]}) + "\n"
+            for r in map(json.loads, (gen_dir / "samples-00000.jsonl").open())
+        )
+    )
+    convs = load_workload(str(work), 8, 1)
     spec = speculative_config(cfg, str(draft), K, parallel=True)
     assert spec["parallel_drafting"] is True
     with start_server(
@@ -73,3 +87,28 @@ def test_parallel_draft_trains_exports_and_is_served(gen_dir, smol_model, tmp_pa
     for i in range(K):
         assert est["acceptance_per_position"][i] == pytest.approx(vllm_pos[i], abs=0.05)
     assert est["acceptance_length"] == pytest.approx(1 + sum(vllm_pos.values()), abs=0.08)
+    # the second layer counts: the same export with it left out (what serving one layer of it
+    # would count) is estimated apart from vLLM's counts
+    one = _first_layer_only(draft, tmp_path / "one-layer")
+    alone = offline_acceptance(smol_model, one, seqs, K, ngram_lookup=None, parallel=True)
+    print(f"layer 0 alone: offline {alone['acceptance_per_position']}")
+    assert max(abs(alone["acceptance_per_position"][i] - vllm_pos[i]) for i in range(K)) > 0.1
+    assert vllm_pos[1] > 0.1  # a parallel slot is accepted: the depths were served, not only slot 0
+
+
+def _first_layer_only(draft: Path, out: Path) -> Path:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    conf = json.loads((draft / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 1}))
+    with safe_open(draft / "model.safetensors", "pt") as f:
+        meta = f.metadata()
+    w = load_file(draft / "model.safetensors")
+    save_file(
+        {k: v for k, v in w.items() if not k.startswith("layers.1.")},
+        out / "model.safetensors",
+        metadata=meta,
+    )
+    return out

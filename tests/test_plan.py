@@ -63,6 +63,23 @@ def test_plan_reports_config_errors():
     assert r.exit_code == 2 and "train.nope: unknown field" in r.output
 
 
+def test_a_second_draft_layer_is_refused_for_the_mla_draft():
+    """vLLM's Llama EAGLE-3 draft takes num_hidden_layers layers; ours of MLA has one: the plan
+    says so where it sizes the draft (train's build_model raises the same ValueError)."""
+    from eagle3.config import load_config
+    from eagle3.train.build import draft_overrides
+
+    r = runner.invoke(
+        app, ["plan", "-c", str(KIMI_PROFILE), "--set", "train.draft_num_layers=2", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    err = json.loads(r.output)["stages"]["train"]["draft"]["error"]
+    assert err.startswith("cannot size the draft: train.draft_num_layers 2: the mla draft has one")
+    cfg = load_config(KIMI_PROFILE, ["train.draft_num_layers=2"])
+    with pytest.raises(ValueError, match="set train.draft_num_layers=1"):
+        draft_overrides(cfg)
+
+
 def test_kimi_plan_shows_the_mla_draft():
     """The Kimi profile's plan: the MLA draft's resolved config, every weight's shape, parameter counts
     (Kimi-K2.5's sizes from configs/targets/moonshotai--Kimi-K2.5.json: no checkpoint here)."""
@@ -259,11 +276,12 @@ def _tiny_llama_target(folder):
     return folder
 
 
-@pytest.mark.parametrize("norm_before_residual", [True, False])
-def test_plan_describes_the_draft_train_builds(tmp_path, norm_before_residual):
+@pytest.mark.parametrize("norm_before_residual,layers", [(True, 1), (False, 2)])
+def test_plan_describes_the_draft_train_builds(tmp_path, norm_before_residual, layers):
     """`eagle3 plan` and train's build_model take the draft's settings from one function
     (eagle3.train.build.draft_overrides): the plan's config is the config train builds, with the
-    profile's norm_before_residual and draft sizes (issue 38: the plan's copy had lost it)."""
+    profile's norm_before_residual, draft sizes and layers (issue 38: the plan's copy had lost
+    norm_before_residual)."""
     from types import SimpleNamespace
 
     import torch
@@ -287,11 +305,14 @@ def test_plan_describes_the_draft_train_builds(tmp_path, norm_before_residual):
             "train.draft_num_key_value_heads=2",
             "train.draft_intermediate_size=96",
             "train.head_init=random",
+            f"train.draft_num_layers={layers}",
         ],
     )
-    planned = draft_plan(cfg, str(target))["config"]
+    plan = draft_plan(cfg, str(target))
+    planned = plan["config"]
     vocab = build_vocab(torch.arange(256, dtype=torch.int64) + 1, 32)
     built = build_model(cfg, target, vocab, SimpleNamespace(aux_width=None)).config.to_dict()
     assert planned["norm_before_residual"] is norm_before_residual
+    assert planned["num_layers"] == layers
     assert (planned["num_key_value_heads"], planned["intermediate_size"]) == (2, 96)
     assert planned == built

@@ -38,6 +38,11 @@ def llama() -> Eagle3Draft:
     )
 
 
+def llama_2_layers() -> Eagle3Draft:
+    m = llama()
+    return Eagle3Draft(DraftConfig(**{**m.config.to_dict(), "num_layers": 2}))
+
+
 def mla() -> Eagle3MLADraft:
     return Eagle3MLADraft(
         MLADraftConfig(
@@ -101,7 +106,9 @@ def loss_and_grads(model, batch, ttt: int, impl: str):
     return loss.detach(), stats, grads
 
 
-@pytest.mark.parametrize("build", [llama, mla], ids=["llama", "mla"])
+@pytest.mark.parametrize(
+    "build", [llama, llama_2_layers, mla], ids=["llama", "llama-2-layers", "mla"]
+)
 @pytest.mark.parametrize("ttt,lengths", [(1, [29, 17, 23]), (3, [29, 17, 23]), (5, [4, 2])])
 def test_fast_step_matches_eager(build, ttt, lengths):
     """Several documents padded into one batch; the last case is shorter than the unroll."""

@@ -46,6 +46,21 @@ from eagle3.target_checkpoint import EMBED_NAMES, load_target_tensor
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
+
+class LayerCaches(tuple):
+    """The KV prefix of a draft with several layers: one entry (a ``(k, v)`` or a
+    :class:`TTTPrefix`) per layer, layer 0 first. A one-layer draft keeps its bare entry, so its
+    callers and tests see what they always saw."""
+
+
+def per_layer(fn: Any, *caches: Any) -> Any:
+    """``fn`` of each layer's entries of ``caches`` (:class:`LayerCaches`), or of the caches
+    themselves (one layer): how the TTT unroll and the offline chains grow a prefix."""
+    if isinstance(caches[0], LayerCaches):
+        return LayerCaches(fn(*parts) for parts in zip(*caches))
+    return fn(*caches)
+
+
 # ---------------------------------------------------------------------------------------------
 # Config helpers
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +261,33 @@ class MidLayer(nn.Module):
         return out, kv
 
 
+class DecoderLayer(nn.Module):
+    """vLLM's Eagle3 decoder layer with ``layer_idx >= 1``: a plain pre-norm Llama layer over the
+    residual stream (H wide: no embeddings, no ``hidden_norm``); returns (residual stream, kv).
+
+    vLLM's fused add-norms say the same: ``input_layernorm(h, residual)`` normalises the stream
+    ``h + residual``, and ``post_attention_layernorm(a, residual)`` adds the attention to it."""
+
+    def __init__(self, cfg: Any, attention: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attention(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        past_kv: KVCache | None = None,
+    ) -> tuple[torch.Tensor, KVCache]:
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, past_kv)
+        residual = a + x
+        return self.mlp(self.post_attention_layernorm(residual)) + residual, kv
+
+
 # ---------------------------------------------------------------------------------------------
 # The draft
 # ---------------------------------------------------------------------------------------------
@@ -267,6 +309,10 @@ class DraftModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # frozen: copied from the target
         self.fc = nn.Linear(cfg.fc_input_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg, self.attention_cls)
+        if getattr(cfg, "num_layers", 1) > 1:  # named layers.1.. as vLLM loads them
+            self.layers = nn.ModuleDict(
+                {str(j): DecoderLayer(cfg, self.attention_cls) for j in range(1, cfg.num_layers)}
+            )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.rotary = self.rotary_cls(cfg)
@@ -331,7 +377,8 @@ class DraftModel(nn.Module):
                 one is decided by the last dim (``fc_input_size`` vs ``hidden_size``).
             position_ids: [B, T] or [T]; default ``past_len + arange(T)``.
             attn_mask: see the module docstring (None: causal, offset by any prefix).
-            past_kv: (k, v) prefix, each [B, heads, S, d], keys rotated.
+            past_kv: (k, v) prefix, each [B, heads, S, d], keys rotated (a :class:`LayerCaches`
+                of them with several layers).
             use_cache: also return this call's (k, v) (without the prefix).
             inputs_embeds: [B, T, H] instead of embedding ``input_ids``.
             logits_len: logits of the first positions only (the fast TTT step's step i has no
@@ -339,8 +386,9 @@ class DraftModel(nn.Module):
                 logits' slice copies in the backward).
 
         Returns:
-            ``(out [B, T, H], logits [B, T, D])`` (+ ``(k, v)`` with ``use_cache``). ``out`` is
-            the pre-norm residual stream: the hidden state of the next unrolled step.
+            ``(out [B, T, H], logits [B, T, D])`` (+ ``(k, v)``, or a :class:`LayerCaches`, with
+            ``use_cache``). ``out`` is the last layer's pre-norm residual stream: the hidden state
+            of the next unrolled step.
         """
         cfg = self.config
         last = hidden_states.shape[-1]
@@ -354,13 +402,21 @@ class DraftModel(nn.Module):
             inputs_embeds = self.embed_tokens(input_ids)
         inputs_embeds = inputs_embeds.to(hidden_states.dtype)
         b, t = inputs_embeds.shape[:2]
+        layered = isinstance(past_kv, LayerCaches)
+        first = past_kv[0] if layered else past_kv
         if position_ids is None:
-            start = 0 if past_kv is None else past_kv[0].shape[2]
+            start = 0 if first is None else first[0].shape[2]
             position_ids = torch.arange(start, start + t, device=hidden_states.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(b, t)
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
-        out, kv = self.midlayer(inputs_embeds, hidden_states, cos, sin, attn_mask, past_kv)
+        out, kv = self.midlayer(inputs_embeds, hidden_states, cos, sin, attn_mask, first)
+        if hasattr(self, "layers"):
+            kvs = [kv]
+            for j, layer in enumerate(self.layers.values(), 1):
+                out, kv = layer(out, cos, sin, attn_mask, past_kv[j] if layered else None)
+                kvs.append(kv)
+            kv = LayerCaches(kvs)
         logits = self.lm_head(self.norm(out if logits_len is None else out[:, :logits_len]))
         if use_cache:
             return out, logits, kv

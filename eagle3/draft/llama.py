@@ -1,4 +1,5 @@
-"""The Llama EAGLE-3 draft: one Llama decoder layer on top of the target's hidden states.
+"""The Llama EAGLE-3 draft: Llama decoder layers (one by default) on top of the target's hidden
+states.
 
 Plain PyTorch (no transformers model classes), weight-for-weight compatible with vLLM's
 ``Eagle3LlamaForCausalLM`` (``vllm/model_executor/models/llama_eagle3.py``, checked against
@@ -18,6 +19,8 @@ vLLM 0.32.0). Parameter names are the checkpoint names vLLM loads (:func:`llama_
     midlayer.mlp.down_proj.weight          [H, I]
     norm.weight                            [H]
     lm_head.weight                         [D, H]     D = draft vocab
+    layers.{j}.*                           j = 1 .. num_layers - 1: a plain pre-norm Llama layer
+                                           (input_layernorm, self_attn over H, ..., mlp)
 
 The forward, masks and KV prefix are :mod:`eagle3.draft.common`'s; this module brings the config,
 rotate-half RoPE (default, linear, llama3, yarn) and GQA attention. The KV prefix is
@@ -78,9 +81,14 @@ class DraftConfig(ConfigMethods):
     # ``mask_hidden`` (the placeholder's hidden state) and the export both
     parallel_depths: int = 0
     parallel_token_id: int | None = None
+    # decoder layers: the first reads embeddings and hidden states (2H), the next the residual
+    # stream (H), as vLLM's llama_eagle3.py builds them (P-EAGLE recipes use 2-4)
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         check_common_fields(self, "LlamaMLP")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} not a multiple of "
@@ -177,6 +185,7 @@ def config_from_export(conf: dict[str, Any]) -> DraftConfig:
         norm_before_residual=bool(conf.get("norm_before_residual", False)),
         parallel_depths=int(conf.get("parallel_drafting_depths") or 0) if ptd is not None else 0,
         parallel_token_id=None if ptd is None else int(ptd),
+        num_layers=int(conf.get("num_hidden_layers") or 1),
     )
 
 
@@ -285,14 +294,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """GQA over the 2H-wide input (embeds and hidden states concatenated), vLLM's LlamaAttention."""
+    """GQA, vLLM's LlamaAttention: over the 2H-wide input (embeds and hidden states
+    concatenated) in the first layer, ``in_dim`` = H in the next ones."""
 
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, in_dim: int | None = None) -> None:
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        in_dim = 2 * cfg.hidden_size
+        in_dim = in_dim or 2 * cfg.hidden_size
         self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
@@ -345,6 +355,21 @@ def llama_weight_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         "lm_head.weight": (cfg.draft_vocab_size, h),
         # vLLM's mask_hidden buffer is [1, fc input]; it loads any tensor named so as view(1, -1)
         **({"mask_hidden": (1, cfg.fc_input_size)} if cfg.parallel_depths else {}),
+        **{
+            f"layers.{j}.{name}": shape
+            for j in range(1, cfg.num_layers)
+            for name, shape in {
+                "input_layernorm.weight": (h,),
+                "self_attn.q_proj.weight": (q, h),
+                "self_attn.k_proj.weight": (kv, h),
+                "self_attn.v_proj.weight": (kv, h),
+                "self_attn.o_proj.weight": (h, q),
+                "post_attention_layernorm.weight": (h,),
+                "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+                "mlp.up_proj.weight": (cfg.intermediate_size, h),
+                "mlp.down_proj.weight": (h, cfg.intermediate_size),
+            }.items()
+        },
     }
 
 
@@ -370,7 +395,7 @@ def llama_fields(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[
         "rope_theta": cfg.rope_theta,
         "rope_parameters": rope_parameters,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_layers,
         "vocab_size": cfg.vocab_size,
         "attention_bias": False,
         "mlp_bias": False,

@@ -45,6 +45,8 @@ class DraftArch:
     # vLLM serves it with parallel_drafting (its model class loads mask_hidden: llama_eagle3.py
     # and qwen3_eagle3.py do, deepseek_eagle3.py does not in 0.32)
     parallel_drafting: bool = False
+    # it takes train.draft_num_layers > 1 (llama_eagle3.py builds num_hidden_layers layers)
+    multi_layer: bool = False
 
     @property
     def vllm_architecture(self) -> str:
@@ -62,6 +64,7 @@ DRAFTS: dict[str, DraftArch] = {
         config_from_export=llama.config_from_export,
         speculators_format=True,
         parallel_drafting=True,
+        multi_layer=True,
     ),
     "mla": DraftArch(
         name="mla",

@@ -28,6 +28,12 @@ def draft_overrides(cfg: Any) -> dict[str, Any]:
             f"Llama and Qwen3 EAGLE-3 drafts only (its {cfg.draft_arch} draft has no mask_hidden): "
             "set train.parallel_depths=0 (docs/train.md, Parallel drafting)"
         )
+    if tc.draft_num_layers > 1 and not draft_arch(cfg.draft_arch).multi_layer:
+        raise ValueError(
+            f"train.draft_num_layers {tc.draft_num_layers}: the {cfg.draft_arch} draft has one "
+            "decoder layer here (vLLM's Llama EAGLE-3 draft takes several): set "
+            "train.draft_num_layers=1"
+        )
     return {
         k: v
         for k, v in {
@@ -37,6 +43,7 @@ def draft_overrides(cfg: Any) -> dict[str, Any]:
             "norm_before_residual": tc.norm_before_residual or None,
             "parallel_depths": tc.parallel_depths or None,
             "parallel_token_id": tc.parallel_token_id if tc.parallel_depths else None,
+            "num_layers": tc.draft_num_layers if tc.draft_num_layers > 1 else None,
         }.items()
         if v is not None
     }

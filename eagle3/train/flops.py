@@ -7,11 +7,12 @@ decoder layer's weights (attention + MLP; norms are negligible), D x H the draft
 
     fc            4 N_fc             once per token: forward + weight gradient (its input, the
                                      target's states, needs no gradient)
-    layer         6 N_layer  x K     forward + both gradients, every TTT step
+    layer         6 N_layer  x K     forward + both gradients, every TTT step (N_layer: all the
+                                     draft's decoder layers)
     lm_head       6 D H      x K     (4 D H when frozen: no weight gradient)
     attention     6 n (dqk + dv) x sum_i ((T+1)/2 + i)   only the pairs computed: causal over
                                      step 0's keys (mean (T+1)/2 per query) and i diagonals at
-                                     step i; QK^T and PV, forward (2) + backward (4)
+                                     step i; QK^T and PV, forward (2) + backward (4); per layer
     target head   2 V H              forward only, once per token (its distribution is computed
                                      once per sample per batch and read at an offset by every step);
                   2 D H              with ``argmax_once`` (the fast step's loader): the full-vocab
@@ -59,7 +60,7 @@ def flops_per_token(
         "fc": 4.0 * n_fc,
         "layer": 6.0 * layer_params * passes,
         "lm_head": (6.0 if head_trainable else 4.0) * cfg.draft_vocab_size * h * passes,
-        "attention": 6.0 * heads * (dqk + dv) * pairs,
+        "attention": 6.0 * heads * (dqk + dv) * pairs * getattr(cfg, "num_layers", 1),
         "target_head": 2.0 * (cfg.draft_vocab_size if argmax_once else cfg.vocab_size) * h,
     }
     terms["total"] = sum(terms.values())
@@ -67,8 +68,10 @@ def flops_per_token(
 
 
 def layer_params(model: Any) -> int:
-    """Weights of the decoder layer (``midlayer``) taking part in matmuls (norms excluded)."""
-    return sum(p.numel() for p in model.midlayer.parameters() if p.dim() >= 2)
+    """Weights of the decoder layers (``midlayer``, ``layers.*``) taking part in matmuls (norms
+    excluded)."""
+    layers = [model.midlayer, *getattr(model, "layers", {}).values()]
+    return sum(p.numel() for m in layers for p in m.parameters() if p.dim() >= 2)
 
 
 #: dense bf16 peak FLOP/s by GPU name (the vendors' datasheets, SXM parts, no sparsity): MFU's

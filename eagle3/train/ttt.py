@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from eagle3.draft import DraftModel
+from eagle3.draft.common import per_layer
 from eagle3.train.batch import Batch, shift_left, step_inputs
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -64,7 +65,12 @@ def column_names(ttt_steps: int, parallel: int = 0) -> list[str]:
 
 
 def _cat(past: KV | None, kv: KV) -> KV:
-    return kv if past is None else (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+    """The prefix grown by one step's keys/values (each layer's, with several layers)."""
+    if past is None:
+        return kv
+    return per_layer(
+        lambda p, n: (torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2)), past, kv
+    )
 
 
 def ttt_unroll(

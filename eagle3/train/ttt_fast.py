@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from eagle3.draft import DraftModel
+from eagle3.draft.common import per_layer
 from eagle3.draft.ttt_attention import TTTPrefix
 from eagle3.train.batch import Batch, shift_left
 from eagle3.train.ttt import loss_offsets, step_counts
@@ -94,18 +95,22 @@ def fast_unroll(model: DraftModel, batch: Batch, ttt_steps: int, parallel: int =
         yield i, logits
         kv0 = kv if kv0 is None else kv0
         if i + 1 < ttt_steps:
-            prefix = TTTPrefix.start(kv, ttt_steps) if prefix is None else prefix.extend(kv)
+            prefix = (
+                per_layer(lambda x: TTTPrefix.start(x, ttt_steps), kv)
+                if prefix is None
+                else per_layer(TTTPrefix.extend, prefix, kv)
+            )
         hidden = out
     if parallel > 1:
         embeds, mask_h = model.placeholder(*batch.input_ids.shape)
-        prefix = TTTPrefix.start(kv0, parallel)
+        prefix = per_layer(lambda x: TTTPrefix.start(x, parallel), kv0)
         for d in range(1, parallel):
             _, logits, kv = model(
                 batch.input_ids, mask_h, position_ids=pos + d, past_kv=prefix, use_cache=True,
                 inputs_embeds=embeds, logits_len=max(L - 1 - d, 0),
             )  # fmt: skip
             yield d, logits
-            prefix = prefix.extend(kv)
+            prefix = per_layer(TTTPrefix.extend, prefix, kv)
 
 
 def fast_ttt_loss(

@@ -30,15 +30,17 @@ from typing import Any
 
 import torch
 
+from eagle3.draft.common import per_layer
 from eagle3.verify.ngram import leading_matches, simulate_ngram
 
 
-def _slice_kv(kv: tuple[torch.Tensor, ...], n: int) -> tuple[torch.Tensor, ...]:
-    return tuple(t[:, :, :n] for t in kv)
+def _slice_kv(kv: Any, n: int) -> Any:
+    """The first ``n`` positions of a KV prefix (each layer's)."""
+    return per_layer(lambda layer: tuple(t[:, :, :n] for t in layer), kv)
 
 
-def _cat_kv(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.cat([x, y], dim=2) for x, y in zip(a, b))
+def _cat_kv(a: Any, b: Any) -> Any:
+    return per_layer(lambda x, y: tuple(torch.cat([u, v], dim=2) for u, v in zip(x, y)), a, b)
 
 
 @torch.no_grad()
