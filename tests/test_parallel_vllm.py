@@ -15,7 +15,6 @@ import pytest
 
 from tests.conftest import gen_cfg, require_vllm
 
-PROMPTS = Path(__file__).parent / "data" / "verify-prompts.jsonl"
 K = 3
 
 
