@@ -35,6 +35,7 @@ async def _signalled_from_a_callback(steps: list[str], *signums: int) -> str:
 def test_a_signal_inside_the_loop_cancels_the_coroutine_and_raises_interrupted(caplog):
     caplog.set_level(logging.WARNING, logger="asyncio")
     steps: list[str] = []
+    before = signal.getsignal(signal.SIGINT)
     with interrupts_raise():
         with pytest.raises(Interrupted) as e:
             run_async(_signalled_from_a_callback(steps, signal.SIGINT, signal.SIGTERM))
@@ -45,7 +46,7 @@ def test_a_signal_inside_the_loop_cancels_the_coroutine_and_raises_interrupted(c
     assert not [
         r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.WARNING
     ], caplog.text
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's, restored
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's (pytest's), restored
 
 
 def test_without_a_signal_or_outside_interrupts_raise_it_is_asyncio_run():
