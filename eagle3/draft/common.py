@@ -61,6 +61,14 @@ def per_layer(fn: Any, *caches: Any) -> Any:
     return fn(*caches)
 
 
+def extend_prefix(past: Any, kv: Any) -> Any:
+    """The KV prefix ``past`` (None: empty) with one more call's keys/values appended along the
+    positions (each layer's with several): the TTT unroll's and the offline chains' growth."""
+    if past is None:
+        return kv
+    return per_layer(lambda p, n: tuple(torch.cat([a, b], 2) for a, b in zip(p, n)), past, kv)
+
+
 # ---------------------------------------------------------------------------------------------
 # Config helpers
 # ---------------------------------------------------------------------------------------------
@@ -255,10 +263,23 @@ class MidLayer(nn.Module):
             residual = hidden
             h = self.hidden_norm(hidden)
         x = torch.cat([e, h], dim=-1)  # embeddings first, as vLLM concatenates
-        a, kv = self.self_attn(x, cos, sin, attn_mask, past_kv)
-        residual = a + residual
-        out = self.mlp(self.post_attention_layernorm(residual)) + residual
-        return out, kv
+        return attention_and_mlp(self, x, residual, cos, sin, attn_mask, past_kv)
+
+
+def attention_and_mlp(
+    layer: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    past_kv: Any,
+) -> tuple[torch.Tensor, KVCache]:
+    """What every decoder layer does after its input norms: attention over ``x`` added to
+    ``residual``, then the MLP's residual block; returns (residual stream, kv)."""
+    a, kv = layer.self_attn(x, cos, sin, attn_mask, past_kv)
+    residual = a + residual
+    return layer.mlp(layer.post_attention_layernorm(residual)) + residual, kv
 
 
 class DecoderLayer(nn.Module):
@@ -283,9 +304,7 @@ class DecoderLayer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         past_kv: KVCache | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, past_kv)
-        residual = a + x
-        return self.mlp(self.post_attention_layernorm(residual)) + residual, kv
+        return attention_and_mlp(self, self.input_layernorm(x), x, cos, sin, attn_mask, past_kv)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from eagle3.draft import DraftModel
-from eagle3.draft.common import per_layer
+from eagle3.draft.common import extend_prefix
 from eagle3.train.batch import Batch, shift_left, step_inputs
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -62,15 +62,6 @@ def loss_offsets(ttt_steps: int, parallel: int = 0) -> list[int]:
 def column_names(ttt_steps: int, parallel: int = 0) -> list[str]:
     """The loss columns' names in metrics.json and TensorBoard: ``step i``, ``parallel d``."""
     return [f"step {i}" for i in range(ttt_steps)] + [f"parallel {d}" for d in range(1, parallel)]
-
-
-def _cat(past: KV | None, kv: KV) -> KV:
-    """The prefix grown by one step's keys/values (each layer's, with several layers)."""
-    if past is None:
-        return kv
-    return per_layer(
-        lambda p, n: (torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2)), past, kv
-    )
 
 
 def ttt_unroll(
@@ -95,7 +86,7 @@ def ttt_unroll(
         )
         yield i, out, logits
         kv0 = kv if kv0 is None else kv0
-        past = _cat(past, kv)
+        past = extend_prefix(past, kv)
         hidden = out
     if parallel > 1:
         embeds, mask_h = model.placeholder(*batch.input_ids.shape)
@@ -111,7 +102,7 @@ def ttt_unroll(
                 inputs_embeds=embeds,
             )
             yield d, out, logits
-            past = _cat(past, kv)
+            past = extend_prefix(past, kv)
 
 
 def step_counts(batch: Batch, ttt_steps: int, parallel: int = 0) -> torch.Tensor:

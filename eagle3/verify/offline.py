@@ -30,17 +30,13 @@ from typing import Any
 
 import torch
 
-from eagle3.draft.common import per_layer
+from eagle3.draft.common import extend_prefix, per_layer
 from eagle3.verify.ngram import leading_matches, simulate_ngram
 
 
 def _slice_kv(kv: Any, n: int) -> Any:
     """The first ``n`` positions of a KV prefix (each layer's)."""
     return per_layer(lambda layer: tuple(t[:, :, :n] for t in layer), kv)
-
-
-def _cat_kv(a: Any, b: Any) -> Any:
-    return per_layer(lambda x, y: tuple(torch.cat([u, v], dim=2) for u, v in zip(x, y)), a, b)
 
 
 @torch.no_grad()
@@ -69,7 +65,7 @@ def chains_of_sequence(
         for i in range(1, k):
             pos = torch.tensor([p + i], device=ids.device)
             o, lg, kv_new = draft(tok.view(1, 1), h, position_ids=pos, past_kv=kv, use_cache=True)
-            kv = _cat_kv(kv, kv_new)
+            kv = extend_prefix(kv, kv_new)
             tok = draft_to_target[lg[0, -1].argmax()]
             proposals.append(int(tok))
             h = o
