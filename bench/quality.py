@@ -546,7 +546,7 @@ def cmd_run(a) -> None:
             "extract_bytes": sum(f.stat().st_size for f in full.glob("*.safetensors")),
             # each epoch's seconds and (online) where its states came from
             "epochs": [
-                {k_: e.get(k_) for k_ in ("s", "states")}
+                {k_: e.get(k_) for k_ in ("s", "time", "states")}
                 for e in json.loads((ed / "train" / "metrics.json").read_text())["epochs"]
             ],
             "states": m.get("states"),

@@ -6,10 +6,16 @@ is never idle waiting for the host to look at a loss. The schedule position (ste
 epoch) advances at once; what depends on the metrics (updates, skipped steps, the epoch sums,
 the NaN guard, ``on_progress``) follows one step later, and everything is settled before a
 checkpoint, at the end of an epoch and before returning, so a checkpoint is always exact.
+
+It also says where an epoch's wall time went (:meth:`StepQueue.take_times`), because "the step
+is slower" has had several causes (issue 38): the host building and launching steps, the host
+waiting for the GPU, Python's garbage collector, the CUDA allocator flushing its cache.
 """
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +63,33 @@ def check_finite(state: TrainState, extract_dir: Path) -> None:
     )
 
 
+class _GcClock:
+    """Seconds Python's garbage collector has run in this process (a ``gc.callbacks`` entry)."""
+
+    def __init__(self) -> None:
+        self.total, self._t0 = 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._t0
+
+
+_GC = _GcClock()
+gc.callbacks.append(_GC)
+
+
+def _alloc_retries() -> int | None:
+    """The CUDA caching allocator's flush-and-retry count so far (each one synchronises the
+    device); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
 class StepQueue:
     """At most one step whose metrics are not read yet (see the module docstring)."""
 
@@ -70,6 +103,22 @@ class StepQueue:
         self.total_steps = total_steps
         self.on_progress = on_progress
         self.pending: tuple[StepResult | PendingStep, dict[str, Any]] | None = None
+        self._settle_s, self._gc0 = 0.0, _GC.total
+
+    def take_times(self, since: float) -> dict[str, Any]:
+        """Where the seconds since ``since`` (a ``time.perf_counter()``, the epoch's start) went:
+        ``settle_s`` reading the steps' metrics (the host blocked on the GPU: a GPU-bound loop
+        spends its time here), ``host_s`` the rest (batches built, kernels launched, progress,
+        checkpoints: a host-bound loop's), ``gc_s`` of it Python's garbage collector, and the
+        CUDA allocator's retries so far."""
+        out = {
+            "host_s": round(time.perf_counter() - since - self._settle_s, 2),
+            "settle_s": round(self._settle_s, 2),
+            "gc_s": round(_GC.total - self._gc0, 2),
+            "alloc_retries": _alloc_retries(),
+        }
+        self._settle_s, self._gc0 = 0.0, _GC.total
+        return out
 
     def push(self, r: StepResult | PendingStep, lr: float, n_batches: int, tokens: int = 0) -> None:
         """A step just queued: advance the position, then settle the step before it.
@@ -90,7 +139,9 @@ class StepQueue:
             self._count(*previous)
 
     def _count(self, r: StepResult | PendingStep, info: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         res = r.resolve() if isinstance(r, PendingStep) else r
+        self._settle_s += time.perf_counter() - t0
         count_result(self.state, res, info["step"])
         if self.on_progress is not None:
             self.on_progress(
