@@ -152,7 +152,7 @@ online38)
   D38="hybrid-bf16 off-bf16 hybrid-fp8 off-fp8 online-bf16"
   [ "${FULL:-0}" = 1 ] && D38="$D38 hybrid-fp8-all"
   setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" ARMS="${ARMS-$D38}" P40="${P40:-0}" \
-    P40ARMS="${P40ARMS:-}" P40ALL="${P40ALL:-0}" GPU_GIB="${GPU_GIB:-40}" WARMUP="${WARMUP:-1}" \
+    P40ARMS="${P40ARMS:-}" P40ALL="${P40ALL:-0}" GPU_GIB="${GPU_GIB:-40}" WARMUP="${WARMUP:-1}" TLOG="${TLOG:-0}" \
     bash -c 'bash bench/quality_gpu.sh online38-steps; [ "$P40" = 1 ] && bash bench/quality_gpu.sh peagle40-steps' \
     > /tmp/q/online.log 2>&1 < /dev/null &
   sleep "${WAIT:-90}"; tail -n 30 /tmp/q/online.log
@@ -166,7 +166,9 @@ online38-steps)
   BF16='"extract.storage_dtype=bfloat16"'  # the profile's default is fp8
   ON='"extract.states=online"'
   # a first short arm pays torch.compile's cold start (47.7 s vs 35.5 s warm in session 17);
-  # WARMUP=0 skips it (~60 s) when only the epochs after the first are compared
+  # WARMUP=0 skips it (~60 s) when only the epochs after the first are compared; TLOG=1 logs
+  # torch.compile's recompilations (timestamped: which epoch paid them)
+  [ "${TLOG:-0}" = 1 ] && export TORCH_LOGS=recompiles
   [ "${WARMUP:-1}" = 1 ] && "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/warmup.jsonl \
     --exp '{"name": "warmup", "samples": 300, "set": ['"$V"', "train.epochs=1"]}' 2>&1 | grep -E 'rror|Traceback' | cut -c 1-900
   echo "warm-up done t=$(($(date +%s) - T0))s"
@@ -184,7 +186,7 @@ online38-steps)
     esac
     "${RUN[@]}" --train-gen "$gen" --work "$work" --out /tmp/q/results38.jsonl \
       --exp '{"name": "'"$name"'", "extract": ['"$e"'], "set": ['"$set"']}' \
-      2>&1 | grep -E '^\{|rror|extract|Traceback' | cut -c 1-900
+      2>&1 | grep -E '^\{|rror|extract|Traceback|Recompiling' | cut -c 1-900
     echo "$n done t=$(($(date +%s) - T0))s"
   done
   echo "all done t=$(($(date +%s) - T0))s"
