@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import openai
 
 try:  # the transport openai's client is built on: httpx2 (openai 3.x), which since 2.17 rejects
@@ -26,7 +27,7 @@ except ImportError:  # pragma: no cover
 from openai import AsyncOpenAI, DefaultAioHttpClient
 
 from eagle3.errors import EndpointError
-from eagle3.serving.readiness import root_url
+from eagle3.serving.readiness import auth_headers, root_url
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 # A wrong path, a wrong model name or a wrong key: the same for every prompt, so it stops the run
@@ -89,6 +90,36 @@ class EndpointPool:
     async def close(self) -> None:
         for e in self.endpoints:
             await e.client.close()
+
+
+async def endpoints_alive(
+    pool: EndpointPool,
+    api_key: str | None,
+    timeout_s: float = 10.0,
+    tries: int = 4,
+    wait_s: float = 5.0,
+) -> bool:
+    """Whether any endpoint still answers ``/health`` (asked once a prompt has used up its
+    retries: a dead server stops the run, a bad prompt does not). A refused connection or an
+    error status means that server is gone; a timeout is a live server too busy to answer (on a
+    loaded 2-core machine a healthy vLLM missed the 10 s and the run was stopped wrongly), so a
+    round in which an endpoint timed out is asked again after ``wait_s``: ``tries`` rounds."""
+    async with httpx.AsyncClient(timeout=timeout_s, headers=auth_headers(api_key)) as c:
+        for round_ in range(tries):
+            busy = False
+            for ep in pool.endpoints:
+                try:
+                    if (await c.get(f"{root_url(ep.base_url)}/health")).status_code == 200:
+                        return True
+                except httpx.TimeoutException:
+                    busy = True
+                except httpx.HTTPError:
+                    continue
+            if not busy:
+                return False
+            if round_ + 1 < tries:
+                await asyncio.sleep(wait_s)
+    return False
 
 
 def make_pool(

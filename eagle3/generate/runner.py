@@ -44,13 +44,14 @@ from eagle3.generate.client import (
     Rejected,
     RetryPolicy,
     chat_request,
+    endpoints_alive,
     make_pool,
 )
 from eagle3.generate.manifest import run_manifest
 from eagle3.generate.prompts import Prompt, PromptStats, Skip, exclusion_keys, iter_prompts
 from eagle3.generate.records import build_record
 from eagle3.generate.storage import ShardStore
-from eagle3.serving.readiness import auth_headers, root_url
+from eagle3.serving.readiness import root_url
 from eagle3.signals import run_async
 
 log = logging.getLogger(__name__)
@@ -109,17 +110,6 @@ async def _tokenize_count(
         return int(body["count"]), int(body["max_model_len"])
     except (httpx.HTTPError, KeyError, ValueError):
         return None
-
-
-async def _endpoints_alive(pool: EndpointPool, api_key: str | None) -> bool:
-    async with httpx.AsyncClient(timeout=10, headers=auth_headers(api_key)) as c:
-        for ep in pool.endpoints:
-            try:
-                if (await c.get(f"{ep.base_url}/health")).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                continue
-    return False
 
 
 class _Run:
@@ -205,7 +195,7 @@ class _Run:
                             continue
                 return self.error("rejected", str(e), prompt)
             except Exhausted as e:
-                if not await _endpoints_alive(self.pool, self.cfg.serve.api_key):
+                if not await endpoints_alive(self.pool, self.cfg.serve.api_key):
                     raise ServerUnavailable(
                         "no endpoint answers /health any more "
                         f"({', '.join(p.base_url for p in self.pool.endpoints)}); "
