@@ -119,6 +119,7 @@ def test_hybrid_within_a_memory_budget(offline, online_extract, smol_model, tmp_
     assert 0 < st["memory_bytes"] <= budget and st["disk_samples"] == 0
     kept = st["memory_samples"]
     assert 0 < kept < N and st["device_data"] is False  # not every sample held
+    assert st["target_released"] is False  # epoch 2 still needed the target
     e1, e2 = (e["states"] for e in epochs(tmp_path / "train"))
     assert e1 == {"memory": 0, "disk": 0, "produced": N, "cached": 0.0}
     assert e2 == {"memory": kept, "disk": 0, "produced": N - kept, "cached": kept / N}
@@ -138,6 +139,7 @@ def test_hybrid_auto_computes_each_state_once(offline, online_extract, smol_mode
     assert plan["memory_bytes"] == plan["total_bytes"] == st["memory_bytes"] > 0
     assert st["produced"] == N and st["from_memory"] == N and st["from_disk"] == 0
     assert st["device_data"] is True  # epoch 2 gathered as offline's device data
+    assert st["target_released"] is True  # and the target closed at the switch
     assert [e["states"]["cached"] for e in epochs(tmp_path / "train")] == [0.0, 1.0]
     for e in epochs(tmp_path / "train"):  # where each epoch's seconds went
         assert abs(e["time"]["host_s"] + e["time"]["settle_s"] - e["s"]) <= 0.02

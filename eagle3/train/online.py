@@ -18,12 +18,11 @@ Why it is not slower than offline (issue 38; measured in docs/benchmarks.md, "On
   rank 0 and shared by every training rank) gets the window's requests at once and keeps several
   in flight (``extract.vllm_concurrency`` a rank).
 - **Reused at offline speed.** Every produced sample is kept, rounded to
-  ``extract.storage_dtype`` (bf16, or fp8 with a scale a row: half the bytes), in one flat
-  :class:`MemoryCache` on the training GPU when it fits there as offline states do (the same
-  share of free memory), else in (pinned) host memory; once it holds every sample on the training
-  device, later epochs use it as offline's device data (:meth:`OnlineStates.device_data`). What
-  memory cannot hold goes to files on disk (:class:`StateCache`); the rest is recomputed each
-  epoch. ``train.state_cache_gib: auto`` keeps every state memory and disk allow
+  ``extract.storage_dtype`` (bf16, or fp8 with a scale a row), in one flat :class:`MemoryCache`
+  on the training GPU when it fits as offline states do, else in (pinned) host memory; once it
+  holds every sample on the training device, later epochs use it as offline's device data and
+  the in-process target is closed (:meth:`OnlineStates.device_data`). Then files on disk
+  (:class:`StateCache`); the rest is recomputed each epoch. ``train.state_cache_gib: auto``
   (:func:`cache_plan`): hybrid, only the cache after epoch 1 if all fit; ``0``: online.
 
 A sample trains on the same values whether it was just computed, read from memory or disk, or
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from eagle3.extract.storage import HiddenStateDataset, Sample
 from eagle3.generate.storage import JsonlAppender
@@ -58,6 +58,8 @@ from eagle3.train.state_cache import (
     stored_form,
 )
 from eagle3.train.target import TargetHead
+
+NONFINITE = "non-finite hidden states (NaN/inf): not trained on"  # errors.jsonl's reason
 
 
 class OnlineStates:
@@ -88,8 +90,7 @@ class OnlineStates:
         self.device, self.max_seq_len = device, max_seq_len
         self.ids, self.root = tokens.ids, tokens.root
         self.has_states, self.aux_width = True, None  # the producer's states, by construction
-        # on a GPU the target's forwards and the batch's gather run on a stream of their own:
-        # they overlap the training step on the compute stream instead of queueing behind it
+        # the target's forwards and the batch's gather overlap the step on a stream of their own
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # the hf target merges the missing samples of every requested batch into its forwards
         # on a GPU; on the CPU one batch's (the same forwards whatever ran before: resumes
@@ -113,6 +114,7 @@ class OnlineStates:
         self._jobs: dict[int, Job] = {}  # sample -> the producer thread's job computing it
         self._ahead: tuple[list[list[int]], int] | None = None  # (epoch's batches, asked up to)
         self.on_device = False  # device_data() served the cache as offline's device data
+        self.closed: str | None = None  # why the producer was closed: "end", "device_data"
 
     # the dataset interface the trainer uses
     def __len__(self) -> int:
@@ -212,13 +214,7 @@ class OnlineStates:
             if sid not in self.nonfinite:
                 self.nonfinite.add(sid)
                 out = JsonlAppender(self._errors_path)
-                out.append(
-                    {
-                        "id": sid,
-                        "reason": "non-finite hidden states (NaN/inf): not trained on",
-                        "time": time.time(),
-                    }
-                )
+                out.append({"id": sid, "reason": NONFINITE, "time": time.time()})
                 out.close()
             aux, final = torch.zeros_like(aux), torch.zeros_like(final)
             self._fresh[i] = stored_form(aux, final, self.storage_dtype)
@@ -315,15 +311,19 @@ class OnlineStates:
     def device_data(self, head: TargetHead) -> DeviceData | None:
         """The memory cache as offline's device data (the target's argmax of every token
         computed once) once it holds every sample on the training device: later epochs gather
-        each batch on the step's thread as offline does, no loader thread, no host work a batch
-        (issue 38: the loader's path ran them 1.44x slower). None while a sample is not held
-        there (a non-finite one never is) or the cache is in host memory under a GPU step."""
+        each batch as offline does (issue 38: the loader's path ran them 1.44x slower), and the
+        in-process target is closed (weights, thread, its forwards' memory; a shared vLLM server
+        stays up for the other ranks). None while a sample is not held there (a non-finite one
+        never is) or the cache is in host memory under a GPU step."""
         m = self.memory
         if m.device.type != self.device.type or len(m.start) < len(self):
             return None
         data = m.as_device_data(self.tokens, self.device)
         data.remember_argmax(head)
         self.on_device = True
+        if isinstance(self.producer, HFProducer):
+            self.close("device_data")
+            torch.cuda.empty_cache()  # (a no-op without CUDA)
         return data
 
     def count_memory(self, idx: list[int]) -> None:
@@ -353,13 +353,17 @@ class OnlineStates:
             "produce_s": round(self.produce_s + (self.thread.busy_s if self.thread else 0), 2),
             "producer_thread": self.thread is not None,
             "device_data": self.on_device,  # later epochs gathered as offline's (device_data)
+            "target_released": self.closed == "device_data",  # hf: closed at the switch
             "nonfinite": len(self.nonfinite),
         }
         if isinstance(self.producer, VllmProducer):
             out["max_requests_in_flight"] = self.producer.server.max_in_flight
         return out
 
-    def close(self) -> None:
+    def close(self, why: str = "end") -> None:
+        if self.closed:
+            return
+        self.closed = why
         if self.thread is not None:
             self.thread.close()
         with self._lock:
@@ -424,13 +428,9 @@ def open_online(
     )
     settings = {"settings_key": settings_key(cfg), "storage_dtype": e.storage_dtype}
     if world > 1 and rank > 0:
-        import torch.distributed as dist
-
         dist.barrier()  # rank 0 tidies the shared folder first (below)
     disk = StateCache(root, plan.disk, settings, owner=rank == 0, world=world)
     if world > 1 and rank == 0:
-        import torch.distributed as dist
-
         dist.barrier()
     return OnlineStates(
         tokens,
