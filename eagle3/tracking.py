@@ -96,6 +96,8 @@ class Tracker:
             self.scalar("epoch/tokens_per_s", e.get("tokens", 0) / e["s"], n)
         for source, count in (e.get("states") or {}).items():
             self.scalar(f"epoch/states_{source}", count, n)
+        for part, seconds in (e.get("time") or {}).items():  # where the epoch's seconds went
+            self.scalar(f"epoch/time_{part}", seconds, n)
         self.flush()
 
     def train_end(self, manifest: dict[str, Any]) -> None:

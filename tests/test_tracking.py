@@ -73,6 +73,11 @@ def test_train_writes_step_and_epoch_scalars(tracked_run):
             [e["top1"][i] for e in hist], rel=1e-5
         )
     assert [st for st, _ in s["epoch/seconds"]] == [1, 2] and "epoch/tokens_per_s" in s
+    for part in ("host_s", "settle_s", "gc_s"):  # where each epoch's seconds went
+        assert s[f"epoch/time_{part}"] == [
+            (e["epoch"], pytest.approx(e["time"][part], rel=1e-5)) for e in hist
+        ]
+    assert "epoch/time_alloc_retries" not in s  # None without CUDA
     assert s["train/loop_s"] == [(steps, pytest.approx(manifest["loop_s"], rel=1e-5))]
 
 

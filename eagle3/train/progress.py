@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle3.errors import NoResult
 from eagle3.train.checkpoint import TrainState
 from eagle3.train.metrics import accumulate
@@ -83,8 +85,6 @@ gc.callbacks.append(_GC)
 def _alloc_retries() -> int | None:
     """The CUDA caching allocator's flush-and-retry count so far (each one synchronises the
     device); None without CUDA."""
-    import torch
-
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
