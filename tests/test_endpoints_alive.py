@@ -1,100 +1,109 @@
 """Generate's dead-server check (``endpoints_alive``): a server that refuses connections or
 answers an error is gone at once; one that times out is asked again before the run stops.
 
-The slow server here is a test double (a plain HTTP handler that sleeps): a vLLM server too busy
-to answer /health in time happened on a 2-core machine at load average 30 and cannot be
-reproduced on demand; the real server's death is tests/test_generate_vllm.py's."""
+The busy server here is a test double (a plain HTTP handler that does not answer its first
+request until the test ends): a vLLM server too busy to answer /health in time happened on a
+2-core machine at load average 30 and cannot be reproduced on demand; the real server's death
+is tests/test_generate_vllm.py's. The waits between rounds are recorded, not slept."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
-import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from eagle3.generate import client
 from eagle3.generate.client import Endpoint, EndpointPool, endpoints_alive
 
 
-def serve(status: int, slow_first: float) -> tuple[ThreadingHTTPServer, list[float]]:
-    """An HTTP server whose /health answers ``status``, the first time after ``slow_first`` s."""
-    seen: list[float] = []
+@pytest.fixture
+def waits(monkeypatch) -> list[float]:
+    """The seconds endpoints_alive waited between rounds (client's asyncio.sleep, recorded)."""
+    got: list[float] = []
 
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            seen.append(time.monotonic())
-            if len(seen) == 1:
-                time.sleep(slow_first)
-            self.send_response(status)
-            self.end_headers()
+    async def sleep(s: float) -> None:
+        got.append(s)
 
-        def log_message(self, *args):
-            pass
+    monkeypatch.setattr(
+        client, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": sleep})
+    )
+    return got
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, seen
+
+@pytest.fixture
+def serve():
+    """serve(status, busy_first): an HTTP server whose /health answers ``status``; with
+    ``busy_first`` its first request gets no answer until the test ends (the client times out)."""
+    started, release = [], threading.Event()
+
+    def start(status: int, busy_first: bool = False) -> tuple[str, list[int]]:
+        seen: list[int] = []
+
+        class Health(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                seen.append(len(seen))
+                if busy_first and len(seen) == 1:
+                    release.wait(60)
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        started.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}", seen
+
+    yield start
+    release.set()
+    for srv in started:
+        srv.shutdown()
+        srv.server_close()
 
 
 def pool(*urls: str) -> EndpointPool:
     return EndpointPool([Endpoint(u, client=None) for u in urls])  # no chat requests here
 
 
-def alive(p: EndpointPool, tries: int) -> tuple[bool, float]:
-    t0 = time.monotonic()
-    ok = asyncio.run(endpoints_alive(p, None, timeout_s=0.5, tries=tries, wait_s=0.2))
-    return ok, time.monotonic() - t0
+def alive(p: EndpointPool, tries: int) -> bool:
+    return asyncio.run(endpoints_alive(p, None, timeout_s=0.5, tries=tries, wait_s=5.0))
 
 
-def free_port() -> int:
+def refused_url() -> str:
+    """A port nothing listens on (bound, then closed): a connection is refused."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_a_server_too_busy_to_answer_once_is_still_alive():
-    srv, seen = serve(200, slow_first=1.5)
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-        assert alive(pool(url), tries=3)[0] is True
-        assert len(seen) == 2  # the timed-out probe, then the one that answered
-    finally:
-        srv.shutdown()
+def test_a_server_too_busy_to_answer_once_is_still_alive(serve, waits):
+    url, seen = serve(200, busy_first=True)
+    assert alive(pool(url + "/v1"), tries=3) is True
+    assert len(seen) == 2 and waits == [5.0]  # timed out, waited a round, then answered
 
 
-def test_one_round_only_was_the_old_false_alarm():
-    srv, _ = serve(200, slow_first=1.5)
-    try:
-        assert alive(pool(f"http://127.0.0.1:{srv.server_address[1]}"), tries=1)[0] is False
-    finally:
-        srv.shutdown()
+def test_one_round_only_was_the_old_false_alarm(serve, waits):
+    url, _ = serve(200, busy_first=True)
+    assert alive(pool(url), tries=1) is False and waits == []
 
 
 @pytest.mark.parametrize("status", [None, 503])
-def test_a_dead_server_is_gone_at_once(status):
+def test_a_dead_server_is_gone_at_once(serve, waits, status):
     """Connection refused (no server on the port), or an error status: no second round."""
-    srv = None
     if status is None:
-        url = f"http://127.0.0.1:{free_port()}"
+        url, seen = refused_url(), None
     else:
-        srv, seen = serve(status, slow_first=0)
-        url = f"http://127.0.0.1:{srv.server_address[1]}"
-    try:
-        ok, took = alive(pool(url), tries=4)
-        assert ok is False and took < 0.2  # four rounds with waits would be >= 0.6 s
-        if srv is not None:
-            assert len(seen) == 1
-    finally:
-        if srv is not None:
-            srv.shutdown()
+        url, seen = serve(status)
+    assert alive(pool(url), tries=4) is False
+    assert waits == [] and (seen is None or len(seen) == 1)
 
 
-def test_any_live_endpoint_is_enough():
-    srv, _ = serve(200, slow_first=0)
-    try:
-        dead = f"http://127.0.0.1:{free_port()}"
-        assert alive(pool(dead, f"http://127.0.0.1:{srv.server_address[1]}"), tries=1)[0] is True
-    finally:
-        srv.shutdown()
+def test_any_live_endpoint_is_enough(serve, waits):
+    url, _ = serve(200)
+    assert alive(pool(refused_url(), url), tries=1) is True

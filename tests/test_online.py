@@ -141,8 +141,8 @@ def test_hybrid_auto_computes_each_state_once(offline, online_extract, smol_mode
     assert st["device_data"] is True  # epoch 2 gathered as offline's device data
     assert st["target_released"] is True  # and the target closed at the switch
     assert [e["states"]["cached"] for e in epochs(tmp_path / "train")] == [0.0, 1.0]
-    for e in epochs(tmp_path / "train"):  # where each epoch's seconds went
-        assert abs(e["time"]["host_s"] + e["time"]["settle_s"] - e["s"]) <= 0.02
+    for e in epochs(tmp_path / "train"):  # where each epoch's seconds went (each rounded)
+        assert abs(e["time"]["host_s"] + e["time"]["settle_s"] - e["s"]) <= 0.0100001
     assert not list((tmp_path / "train" / "state-cache").glob("*.safetensors"))
 
 

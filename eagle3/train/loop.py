@@ -364,8 +364,9 @@ def run_epochs(
                 run.save(state)
         queue.settle()
         state.history.append(epoch_metrics(state, column_names(tc.ttt_steps, tc.parallel_depths)))
-        state.history[-1]["s"] = round(time.perf_counter() - epoch_t0, 2)  # resumed: the rest
-        state.history[-1]["time"] = queue.take_times(epoch_t0)
+        now = time.perf_counter()
+        state.history[-1]["s"] = round(now - epoch_t0, 2)  # resumed: the rest
+        state.history[-1]["time"] = queue.take_times(epoch_t0, now)
         if isinstance(run.ds, OnlineStates):  # where this epoch's states came from
             state.history[-1]["states"] = run.ds.take_epoch()
             run.data = run.data or run.ds.device_data(run.head)  # all cached: offline path

@@ -105,14 +105,14 @@ class StepQueue:
         self.pending: tuple[StepResult | PendingStep, dict[str, Any]] | None = None
         self._settle_s, self._gc0 = 0.0, _GC.total
 
-    def take_times(self, since: float) -> dict[str, Any]:
-        """Where the seconds since ``since`` (a ``time.perf_counter()``, the epoch's start) went:
-        ``settle_s`` reading the steps' metrics (the host blocked on the GPU: a GPU-bound loop
-        spends its time here), ``host_s`` the rest (batches built, kernels launched, progress,
-        checkpoints: a host-bound loop's), ``gc_s`` of it Python's garbage collector, and the
-        CUDA allocator's retries so far."""
+    def take_times(self, since: float, now: float) -> dict[str, Any]:
+        """Where the seconds from ``since`` to ``now`` (``time.perf_counter()``: the epoch's start
+        and end) went: ``settle_s`` reading the steps' metrics (the host blocked on the GPU: a
+        GPU-bound loop spends its time here), ``host_s`` the rest (batches built, kernels
+        launched, progress, checkpoints: a host-bound loop's), ``gc_s`` of it Python's garbage
+        collector, and the CUDA allocator's retries so far."""
         out = {
-            "host_s": round(time.perf_counter() - since - self._settle_s, 2),
+            "host_s": round(now - since - self._settle_s, 2),
             "settle_s": round(self._settle_s, 2),
             "gc_s": round(_GC.total - self._gc0, 2),
             "alloc_retries": _alloc_retries(),
