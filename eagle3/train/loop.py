@@ -351,7 +351,7 @@ def run_epochs(
                 queue.settle()
                 return False
             at, g = state.batch_in_epoch, run.group
-            if isinstance(run.ds, OnlineStates):  # requests ahead of the loader
+            if isinstance(run.ds, OnlineStates) and run.data is None:  # ahead of the loader
                 run.ds.request_ahead(batches, at, tc.online_prefetch * g, d.rank, d.world)
             if run.loader is not None and run.data is None:  # this step's batches and the next
                 run.loader.prefetch(batches[at : at + 2 * g][d.rank :: d.world])
