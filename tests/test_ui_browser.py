@@ -164,8 +164,13 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
                     "a[href^='/deployments/deployment/']", has_text="hero-run"
                 ).first.click()
                 page.wait_for_url(f"**/deployments/deployment/{dep['id']}**")
+                # the page's own requests done first: on a loaded CI machine a click on Quick run
+                # before the deployment had loaded scheduled nothing (no run within 30 s)
+                page.wait_for_load_state("networkidle")
                 page.get_by_role("button", name="Run", exact=True).click()
                 page.get_by_text("Quick run").first.click()
+                # the UI's own confirmation (a toast "<run name> scheduled to start now")
+                page.get_by_text("scheduled to start").first.wait_for(timeout=90_000)
 
                 def flow_runs() -> list[dict]:
                     r = httpx.post(
@@ -175,7 +180,7 @@ def test_start_hero_run_from_the_ui(tiny_hero, tmp_path):
                     )
                     return r.json() if r.status_code == 200 else []
 
-                _wait("a flow run created by the Quick run button", flow_runs, 30, procs)
+                _wait("a flow run created by the Quick run button", flow_runs, 60, procs)
                 page.screenshot(
                     path=str(ARTIFACTS / "ui-quick-run.png")
                 )  # with the "scheduled" toast

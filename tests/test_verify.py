@@ -543,11 +543,9 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path, request):
         r["promoted"]
     )
 
-    # The promoted draft carries what to serve; vLLM serves it with exactly that config.
-    from eagle3.serving.client import chat
-    from eagle3.serving.server import start_server
-    from tests.conftest import spec_counters
-
+    # The promoted draft carries what to serve: the config vLLM served the draft with at its best
+    # k (its server's own command line), pointing at the promoted copy of the same files. (No
+    # server of its own: one start less in CI's time; test_flow serves a hero run's draft.)
     serving = json.loads((Path(r["promoted"]) / "serving.json").read_text())
     rec = serving["recommended"]
     assert rec["concurrency"] == 1 and rec["num_speculative_tokens"] == k
@@ -557,30 +555,18 @@ def test_verify_on_vllm(trained_draft, smol_model, tmp_path, request):
         "num_speculative_tokens": k,
     }
     assert rec["vllm_args"] == ["--speculative-config", json.dumps(rec["speculative_config"])]
+    served = json.loads(spec_log.split("--speculative-config", 1)[1].split()[0].strip("'"))
+    assert {**served, "model": r["promoted"]} == rec["speculative_config"], served
+    files = sorted(p.name for p in Path(served["model"]).iterdir())
+    assert files and all(
+        (Path(served["model"]) / f).read_bytes() == (Path(r["promoted"]) / f).read_bytes()
+        for f in files
+    ), files
     assert set(serving["by_concurrency"]) == {"1", "3"}
     assert rec["ngram"]["num_speculative_tokens"] == kn
     for c, e in serving["by_concurrency"].items():  # each concurrency's best measured k
         assert e["speculative_config"]["num_speculative_tokens"] == best["draft", c], (c, e)
         assert e["ngram"]["num_speculative_tokens"] == best["ngram", c], (c, e)
-    with start_server(
-        cfg,
-        str(smol_model),
-        speculative_config=rec["speculative_config"],
-        log_dir=tmp_path / "served-logs",
-    ) as server:
-        before = spec_counters(server.base_url)
-        answer = chat(server.base_url, server.model, "Name three colours.", max_tokens=16)
-        after = spec_counters(server.base_url)
-    assert answer.completion_token_ids
-    drafts = after["vllm:spec_decode_num_drafts_total"] - before.get(
-        "vllm:spec_decode_num_drafts_total", 0
-    )
-    assert (
-        drafts > 0
-        and after["vllm:spec_decode_num_draft_tokens_total"]
-        - before.get("vllm:spec_decode_num_draft_tokens_total", 0)
-        == k * drafts
-    )
     # the session's target server, asked for only now: not held through the sweep's servers
     vllm_server = request.getfixturevalue("vllm_server")
     _refuse_a_worse_draft(vllm_server, smol_model, trained_draft, tmp_path, r["promoted"])
