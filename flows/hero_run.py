@@ -176,7 +176,7 @@ def hero_run(params: HeroRunParams = DEFAULT_PARAMS) -> dict[str, Any]:
 
 
 @dataclass
-class _Run:
+class _HeroRun:
     """One hero run's stages so far: their calls, and the stage in progress (for the report)."""
 
     cfg: PipelineConfig
@@ -210,7 +210,7 @@ def _stages(cfg: PipelineConfig, params: HeroRunParams, started: float) -> dict[
     )
     model = prepare_model_task(cfg)
     server = LazyServer(cfg, model)
-    run = _Run(cfg, selected, forced, model)
+    run = _HeroRun(cfg, selected, forced, model)
     summary = _new_summary(cfg, params, model)
     try:
         _generate_phase(run, server, summary)
@@ -243,7 +243,7 @@ def _new_summary(cfg: PipelineConfig, params: HeroRunParams, model: str) -> dict
     }
 
 
-def _generate_phase(run: _Run, server: LazyServer, summary: dict[str, Any]) -> None:
+def _generate_phase(run: _HeroRun, server: LazyServer, summary: dict[str, Any]) -> None:
     """Generate (or its latest artifact), then stop the server whatever happened."""
     try:
         if "generate" in run.selected:
@@ -273,7 +273,7 @@ def _needed(selected: set[str]) -> set[str]:
     return set(selected).union(*(stages.STAGES[s].inputs for s in selected))
 
 
-def _later_stages(run: _Run, summary: dict[str, Any]) -> None:
+def _later_stages(run: _HeroRun, summary: dict[str, Any]) -> None:
     """Every registry stage after generate, in pipeline order, that the selection needs."""
     needed = _needed(run.selected)
     for name in list(stages.STAGES)[1:]:
@@ -290,7 +290,7 @@ def _later_stages(run: _Run, summary: dict[str, Any]) -> None:
         summary["acceptance_length"] = run.calls["verify"].result.get("acceptance_length")
 
 
-def _record_failure(run: _Run, summary: dict[str, Any], e: BaseException) -> None:
+def _record_failure(run: _HeroRun, summary: dict[str, Any], e: BaseException) -> None:
     summary["failed"] = {"stage": run.current, "error": f"{type(e).__name__}: {e}"[:2000]}
     if run.current == "verify":  # a failed gate still wrote its report: show it
         report = run.cfg.paths.artifact_dir(
@@ -301,7 +301,7 @@ def _record_failure(run: _Run, summary: dict[str, Any], e: BaseException) -> Non
         )
 
 
-def _finish_summary(run: _Run, summary: dict[str, Any], started: float) -> None:
+def _finish_summary(run: _HeroRun, summary: dict[str, Any], started: float) -> None:
     """Every stage's entry (the failed one included), the wall time, and the report."""
     for name, call in run.calls.items():
         summary["stages"][name] = {

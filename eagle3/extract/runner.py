@@ -263,7 +263,7 @@ def _manifest(
     }
 
 
-class _Run:
+class _ExtractRun:
     """One extract run into ``out_dir``: the shard writer, the error log, the counts, the reuse
     source and the progress callback, and the steps that fill them."""
 
@@ -432,7 +432,9 @@ def extract(
     require_checked_ids(generate_dir, gen_manifest, cfg.extract.accept_unchecked_token_ids)
     fingerprint = check_fingerprint(gen_manifest, model_path, cfg)
     scan = check_input(generate_dir, gen_manifest)
-    run = _Run(cfg, generate_dir, out_dir, model_path, gen_manifest, scan, on_progress, reuse_from)
+    run = _ExtractRun(
+        cfg, generate_dir, out_dir, model_path, gen_manifest, scan, on_progress, reuse_from
+    )
     run.compute()
     if not run.writer.index:
         raise NoResult(

@@ -20,7 +20,7 @@ from eagle3.generate.prompts import PromptStats
 from eagle3.generate.storage import iter_samples, latest_errors
 
 if TYPE_CHECKING:
-    from eagle3.generate.runner import _Run
+    from eagle3.generate.runner import _GenerateRun
 
 
 def run_manifest(
@@ -28,7 +28,7 @@ def run_manifest(
     base_urls: list[str],
     window: int,
     stats: PromptStats,
-    runner: _Run,
+    runner: _GenerateRun,
     resumed_from: int,
     wall: float,
     out_dir: Path,

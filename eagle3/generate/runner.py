@@ -112,7 +112,10 @@ async def _tokenize_count(
         return None
 
 
-class _Run:
+class _GenerateRun:
+    """One generate run into a folder: the endpoints, the shard store, the progress, and the
+    requests that fill them (each prompt sent, its answer checked and saved)."""
+
     def __init__(
         self,
         cfg: PipelineConfig,
@@ -360,7 +363,7 @@ def generate(
         strategy=g.balancing,
     )
     tok, check = token_check_for(cfg, tokenizer_path, token_check)
-    runner = _Run(cfg, pool, store, progress, make_rebuilder(cfg, tok), on_progress, check)
+    runner = _GenerateRun(cfg, pool, store, progress, make_rebuilder(cfg, tok), on_progress, check)
     started = time.time()
 
     async def main() -> None:
