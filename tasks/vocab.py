@@ -1,4 +1,4 @@
-"""Prefect task around the vocab stage (`eagle3.vocab.runner.vocab_stage`, through eagle3.stages)."""
+"""Prefect task around the vocab stage (`eagle3.vocab.runner`, through eagle3.stages)."""
 
 from __future__ import annotations
 
