@@ -31,6 +31,8 @@
 #       parallel drafting, hybrid fp8, N4 samples x E4 epochs or P40ALL=1 all samples, acceptance at
 #       k = 1..8 both ways; P40ARMS= picks the drafts, -lN suffix: N decoder layers); ARMS="" runs
 #       only the drafts
+#   device run: bash bench/quality_gpu.sh forward      carry [".gpu/g2", ".gpu/d"] (after `stage`: the
+#       target's forward with the padding mask vs causal alone, bench/target_forward.py)
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
 #       speculators on the same extract, scored by the same eval; carry [".gpu/d"] at least)
 #
@@ -226,6 +228,13 @@ peagle40-steps)
     echo "$n done t=$(($(date +%s) - T0))s"
   done
   echo "p40 done t=$(($(date +%s) - T0))s"
+  ;;
+forward)
+  # the target's forward, padding mask vs causal alone (bench/target_forward.py), on the
+  # mixture's first 3,000 samples at the profile's 64K-token budget (after `stage`; carry
+  # [".gpu/g2", ".gpu/d"])
+  machine_data
+  python3 bench/target_forward.py --gen /tmp/q/MIX --samples "${N4:-3000}" 2>&1 | grep -E '^\{|rror'
   ;;
 poll)
   tail -n "${2:-40}" /tmp/q/online.log; df -h /tmp | tail -1; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv

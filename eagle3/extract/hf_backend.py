@@ -5,7 +5,9 @@
   convention; equal to HF ``hidden_states[k]``) and the OUTPUT of the last layer before the
   final norm. ``output_hidden_states`` would keep all N+1 states (61 for Kimi) alive at once.
 - Batches are length-bucketed under a token budget and right-padded: with causal attention
-  the real positions never see the padding, so padded rows equal unpadded ones.
+  the real positions never see the padding, so padded rows equal unpadded ones. So no attention
+  mask is passed: with one, transformers builds a 4D mask and SDPA cannot take its causal
+  (flash) kernel; without, it does (``bench/target_forward.py`` measures both).
 - ``torch.inference_mode``, CUDA when present (bf16 there; float32 on CPU by default).
 """
 
@@ -95,16 +97,20 @@ def forward_states(
     device: torch.device,
     pad_id: int = 0,
     to_host: bool = True,
+    masked: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One padded batch -> per sequence (aux [T, 3H], final [T, H]) on the CPU, or with
-    ``to_host=False`` left on the device (the online states keep them there)."""
+    """One right-padded batch -> per sequence (aux [T, 3H], final [T, H]) on the CPU, or with
+    ``to_host=False`` left on the device (the online states keep them there). ``masked`` passes
+    the padding mask as well (the same states, slower on CUDA: only the bench sets it)."""
     longest = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), longest), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    extra = {}
+    if masked:
+        lens = torch.tensor([len(s) for s in seqs])
+        extra["attention_mask"] = (torch.arange(longest)[None] < lens[:, None]).long().to(device)
+    model(input_ids=ids.to(device), use_cache=False, **extra)
     aux, final = tap.take()
     if device.type == "cuda" and to_host:
         # one device-to-host copy per batch (not per sequence), into pinned memory: DMA at full
