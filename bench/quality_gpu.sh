@@ -154,13 +154,15 @@ online38)
   D38="hybrid-bf16 off-bf16 hybrid-fp8 off-fp8 online-bf16"
   [ "${FULL:-0}" = 1 ] && D38="$D38 hybrid-fp8-all"
   setsid nohup env N4="${N4:-3000}" E4="${E4:-2}" ARMS="${ARMS-$D38}" P40="${P40:-0}" \
-    P40ARMS="${P40ARMS:-}" P40ALL="${P40ALL:-0}" GPU_GIB="${GPU_GIB:-40}" WARMUP="${WARMUP:-1}" TLOG="${TLOG:-0}" NOEVAL="${NOEVAL:-0}" \
+    P40ARMS="${P40ARMS:-}" P40ALL="${P40ALL:-0}" GPU_GIB="${GPU_GIB:-40}" K="${K:-3}" WARMUP="${WARMUP:-1}" TLOG="${TLOG:-0}" NOEVAL="${NOEVAL:-0}" \
     bash -c 'bash bench/quality_gpu.sh online38-steps; [ "$P40" = 1 ] && bash bench/quality_gpu.sh peagle40-steps' \
     > /tmp/q/online.log 2>&1 < /dev/null &
   sleep "${WAIT:-90}"; tail -n 30 /tmp/q/online.log
   ;;
 online38-steps)
-  RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml)
+  # K=8: acceptance at k = 1..8 (by_k), so a hybrid-fp8-all row is also issue 40's sequential
+  # draft on the whole mixture
+  RUN=(python3 bench/quality.py run --profile configs/smollm2-sharegpt.yaml --k "${K:-3}")
   if [ "${NOEVAL:-0}" = 1 ]; then  # timings only: no MT-bench answers, no acceptance scored
     machine_data; V='"vocab.draft_vocab_size=32768"'
   else
