@@ -146,8 +146,9 @@ online38)
   # order, one process at a time, after a 300-sample compile warm-up; `poll` brings
   # results38.jsonl back. Arms: {hybrid,off,online}-{bf16,fp8} on the mixture's first N4 samples
   # (3,000), E4 epochs (2), the profile's recipe with a 32K vocabulary (hybrid: state_cache_gib
-  # auto, every state cached after epoch 1; online: 0, the target every epoch); and
-  # {off,hybrid}-fp8-all: the whole mixture at the profile's epochs, every state on the GPU in
+  # auto, every state cached after epoch 1; online: 0, the target every epoch; the subset and its
+  # work folder are keyed by N4: bench/quality.py skips an arm whose name is already in the
+  # results file and reuses an extract folder that exists); and {off,hybrid}-fp8-all: the whole mixture at the profile's epochs, every state on the GPU in
   # both (offline: train.data_on_device=on; hybrid: state_cache_memory_gib=GPU_GIB, 40).
   # FULL=1 appends hybrid-fp8-all to the default list; P40=1 then runs `peagle40-steps`.
   mkdir -p /tmp/q
@@ -168,7 +169,7 @@ online38-steps)
   else
     online_data; RUN+=(--eval heldout=/tmp/q/HELD --eval mtbench=/tmp/q/MT)
   fi
-  [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
+  [ -d /tmp/q/MIX-$N4 ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIX-$N4
   E='"train.epochs='"$E4"'"'
   FP8='"extract.storage_dtype=float8_e4m3fn"'
   BF16='"extract.storage_dtype=bfloat16"'  # the profile's default is fp8
@@ -177,11 +178,11 @@ online38-steps)
   # WARMUP=0 skips it (~60 s) when only the epochs after the first are compared; TLOG=1 logs
   # torch.compile's recompilations (timestamped: which epoch paid them)
   [ "${TLOG:-0}" = 1 ] && export TORCH_LOGS=recompiles
-  [ "${WARMUP:-1}" = 1 ] && "${RUN[@]}" --train-gen /tmp/q/MIXN --work /tmp/q/W38 --out /tmp/q/warmup.jsonl \
+  [ "${WARMUP:-1}" = 1 ] && "${RUN[@]}" --train-gen /tmp/q/MIX-$N4 --work /tmp/q/W38-$N4 --out /tmp/q/warmup.jsonl \
     --exp '{"name": "warmup", "samples": 300, "set": ['"$V"', "train.epochs=1"]}' 2>&1 | grep -E 'rror|Traceback' | cut -c 1-900
   echo "warm-up done t=$(($(date +%s) - T0))s"
   for n in ${ARMS:-}; do
-    gen=/tmp/q/MIXN work=/tmp/q/W38 name="$n-$N4" set="$V, $E"
+    gen=/tmp/q/MIX-$N4 work=/tmp/q/W38-$N4 name="$n-$N4" set="$V, $E"
     case "$n" in
       hybrid-bf16) e="$ON, $BF16" set="$set, \"train.state_cache_gib=auto\"" ;;
       hybrid-fp8) e="$ON, $FP8" set="$set, \"train.state_cache_gib=auto\"" ;;
@@ -213,8 +214,8 @@ peagle40-steps)
   if [ "${P40ALL:-0}" = 1 ]; then
     gen=/tmp/q/MIX work=/tmp/q/WF tag=all more=", \"train.state_cache_memory_gib=${GPU_GIB:-40}\""
   else
-    [ -d /tmp/q/MIXN ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIXN
-    gen=/tmp/q/MIXN work=/tmp/q/W38 tag=$N4 more=", \"train.epochs=$E4\""
+    [ -d /tmp/q/MIX-$N4 ] || python3 bench/quality.py combine --src /tmp/q/MIX --first "$N4" --out /tmp/q/MIX-$N4
+    gen=/tmp/q/MIX-$N4 work=/tmp/q/W38-$N4 tag=$N4 more=", \"train.epochs=$E4\""
   fi
   for n in ${P40ARMS:-seq-ttt3 par8-ttt3 par8-ttt1}; do
     case "${n%-l[0-9]}" in
