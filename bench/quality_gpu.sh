@@ -31,6 +31,8 @@
 #       parallel drafting, hybrid fp8, N4 samples x E4 epochs or P40ALL=1 all samples, acceptance at
 #       k = 1..8 both ways; P40ARMS= picks the drafts, -lN suffix: N decoder layers); ARMS="" runs
 #       only the drafts
+#   device run: bash bench/quality_gpu.sh wait [S]    (after online/online38: `poll` once the log
+#       says "all done" (DONE="p40 done" with P40=1) or S seconds (570) pass; chain with no gap)
 #   device run: bash bench/quality_gpu.sh forward      carry [".gpu/g2", ".gpu/d"] (after `stage`: the
 #       target's forward with the padding mask vs causal alone, bench/target_forward.py)
 #   device run: bash bench/quality_gpu.sh reference [EPOCHS]   (after `run`, machine still warm:
@@ -238,6 +240,13 @@ forward)
   # [".gpu/g2", ".gpu/d"])
   machine_data
   python3 bench/target_forward.py --gen /tmp/q/MIX --samples "${N4:-3000}" 2>&1 | grep -E '^\{|rror'
+  ;;
+wait)
+  # `poll` after the background run ends or ${2:-570} s pass, whichever is first: one call a
+  # ~10-minute slice, chained back to back (the machine goes back after 30 s without a call)
+  end=$(($(date +%s) + ${2:-570}))
+  while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^${DONE:-all done}" /tmp/q/online.log; do sleep 5; done
+  bash bench/quality_gpu.sh poll "${3:-40}"
   ;;
 poll)
   tail -n "${2:-40}" /tmp/q/online.log; df -h /tmp | tail -1; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
