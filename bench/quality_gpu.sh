@@ -151,7 +151,8 @@ online38)
   # auto, every state cached after epoch 1; online: 0, the target every epoch; the subset and its
   # work folder are keyed by N4: bench/quality.py skips an arm whose name is already in the
   # results file and reuses an extract folder that exists); and {off,hybrid}-fp8-all: the whole
-  # mixture at the profile's epochs, every state on the GPU in both (offline: train.data_on_device=on; hybrid: state_cache_memory_gib=GPU_GIB, 40).
+  # mixture at the profile's epochs, every state on the GPU in both (offline:
+  # train.data_on_device=on; hybrid: state_cache_memory_gib=GPU_GIB, 40).
   # FULL=1 appends hybrid-fp8-all to the default list; P40=1 then runs `peagle40-steps`.
   mkdir -p /tmp/q
   D38="hybrid-bf16 off-bf16 hybrid-fp8 off-fp8 online-bf16"
