@@ -6,7 +6,7 @@ length-bucketed batches under ``extract.token_budget``, with the padding mask vs
 
 Why both: with a mask, transformers builds a 4D attention mask and SDPA runs a masked kernel; with
 right padding and causal attention the real rows never see the pads, so the mask changes nothing
-but the kernel (the causal flash kernel without it). Prints tokens/s of each arm (alternating,
+but SDPA's path (masked with it, causal without). Prints tokens/s of each arm (alternating,
 ``--repeats`` times, best kept), their ratio and the largest relative difference of the first
 forward's states.
 """
